@@ -1,0 +1,39 @@
+# Two commands matter: `make demo` and `make test`. Both set up what they need.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+REDIS_URL ?= redis://127.0.0.1:6379/0
+export REDIS_URL
+
+.PHONY: install test lint demo bench-submit clean
+
+install: $(STAMP)
+
+# torch is pinned and installed first: the CPU build of 2.13.0 lies on this disk, while an
+# unpinned torch (pulled in by transformers/peft) would download a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[worker,dev]'
+	touch $(STAMP)
+
+test: install
+	bash .ci/ensure-redis
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+demo: install
+	$(BIN)/kevlaya demo
+
+bench-submit: install
+	bash .ci/ensure-redis
+	$(BIN)/python bench/submit.py
+
+clean:
+	rm -rf $(VENV) .kevlaya *.egg-info

@@ -1,0 +1,231 @@
+"""The Python client: submit jobs, follow batches, export results, cancel. Talks to Redis only."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from redis import Redis
+from rq import Queue, Retry
+
+from shared.conn import connect
+from shared.errors import CANCELLED, SubmissionError, ValidationError
+from shared.job import DEFAULT_LIMITS, Job, Limits
+from shared.jobfunc import RUN_DECISION
+from shared.keys import DEFAULT_PREFIX, Keys, followup_id, job_id
+from shared.models import ESCALATES_TO, MODEL_NAMES
+from shared.result import Result
+from shared.serializer import serializer
+from shared.store import DEFAULT_BATCH_TTL_S, BatchRecord, iter_export, read_batch, record_result
+
+PIPELINE_CHUNK = 1000
+DEFAULT_RETRIES = 3
+DEFAULT_JOB_TIMEOUT_S = 1800
+
+
+def new_batch_id() -> str:
+    return f"b{int(time.time()):x}{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class BatchHandle:
+    """What submit_batch returns: the batch id, how many items were new, and how many were already there."""
+
+    client: Client
+    id: str
+    enqueued: int
+    skipped: int
+
+    def status(self) -> BatchRecord:
+        return self.client.status(self.id)
+
+    def results(self) -> Iterator[dict[str, Any]]:
+        return self.client.iter_results(self.id)
+
+    def wait(self, *, poll_s: float = 0.5, timeout_s: float | None = None) -> BatchRecord:
+        return self.client.wait(self.id, poll_s=poll_s, timeout_s=timeout_s)
+
+
+class Client:
+    """Producer API. `Client(redis_url=...)` or `Client(redis=...)`; all keys under `prefix`."""
+
+    def __init__(
+        self,
+        *,
+        redis: Redis | None = None,
+        redis_url: str | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        limits: Limits = DEFAULT_LIMITS,
+        batch_ttl_s: int = DEFAULT_BATCH_TTL_S,
+        retries: int = DEFAULT_RETRIES,
+        job_timeout_s: int = DEFAULT_JOB_TIMEOUT_S,
+    ) -> None:
+        self.redis = redis if redis is not None else connect(redis_url)
+        self.keys = Keys(prefix)
+        self.limits = limits
+        self.batch_ttl_s = batch_ttl_s
+        self.retries = retries
+        self.job_timeout_s = job_timeout_s
+        self.queues = {
+            m: Queue(self.keys.queue_name(m), connection=self.redis, serializer=serializer) for m in MODEL_NAMES
+        }
+
+    # ---- submit ---------------------------------------------------------------------------
+    def submit(self, job: dict[str, Any] | Job, *, model: str | None = None) -> tuple[str, str]:
+        """Submit one job as a batch of one; returns (batch_id, job_id)."""
+        parsed = job if isinstance(job, Job) else self.validate(job, default_model=model)
+        handle = self.submit_batch([parsed])
+        return handle.id, job_id(handle.id, parsed.custom_id)
+
+    def validate(self, obj: dict[str, Any], *, default_model: str | None = None) -> Job:
+        if isinstance(obj, dict) and "custom_id" not in obj:
+            obj = {**obj, "custom_id": f"job-{secrets.token_hex(6)}"}
+        return Job.from_dict(obj, limits=self.limits, default_model=default_model)
+
+    def submit_batch(
+        self,
+        jobs: Iterable[Job | dict[str, Any]],
+        *,
+        batch_id: str | None = None,
+        model: str | None = None,
+        escalate: bool = True,
+        progress: Any = None,
+    ) -> BatchHandle:
+        """Validate every job, then enqueue them pipelined. Items already in `batch_id` are skipped.
+
+        Raises SubmissionError (nothing enqueued) if any job is invalid or a custom_id repeats.
+        `progress`, if given, is called with the number of jobs enqueued so far.
+        """
+        parsed = self._validate_all(jobs, model)
+        batch = batch_id or new_batch_id()
+        new = self._new_items(batch, parsed)
+        self._write_batch_header(batch, added=len(new), escalate=escalate)
+        for start in range(0, len(new), PIPELINE_CHUNK):
+            self._enqueue_chunk(batch, new[start : start + PIPELINE_CHUNK])
+            if progress is not None:
+                progress(min(start + PIPELINE_CHUNK, len(new)))
+        return BatchHandle(self, batch, enqueued=len(new), skipped=len(parsed) - len(new))
+
+    def _validate_all(self, jobs: Iterable[Job | dict[str, Any]], model: str | None) -> list[Job]:
+        parsed: list[Job] = []
+        errors: list[ValidationError] = []
+        seen: set[str] = set()
+        for index, item in enumerate(jobs, start=1):
+            try:
+                job = item if isinstance(item, Job) else self.validate(item, default_model=model)
+            except ValidationError as exc:
+                errors.append(exc.at_line(index))
+                continue
+            if job.custom_id in seen:
+                errors.append(ValidationError(f"duplicate custom_id {job.custom_id!r}", field="custom_id", line=index))
+            seen.add(job.custom_id)
+            parsed.append(job)
+        if errors:
+            raise SubmissionError(errors)
+        return parsed
+
+    def _new_items(self, batch: str, jobs: Sequence[Job]) -> list[Job]:
+        if not jobs or not self.redis.exists(self.keys.batch(batch)):
+            return list(jobs)
+        known = self.redis.smismember(self.keys.batch_item_set(batch), [j.custom_id for j in jobs])
+        return [j for j, k in zip(jobs, known, strict=True) if not k]
+
+    def _write_batch_header(self, batch: str, *, added: int, escalate: bool) -> None:
+        now = time.time()
+        key = self.keys.batch(batch)
+        with self.redis.pipeline() as pipe:
+            pipe.hsetnx(key, "created_at", repr(now))
+            pipe.hset(key, mapping={"id": batch, "expires_at": repr(now + self.batch_ttl_s)})
+            if not escalate:
+                pipe.hset(key, "escalate_off", "1")
+            pipe.hincrby(key, "total", added)
+            pipe.zadd(self.keys.batches(), {batch: now})
+            pipe.expire(key, self.batch_ttl_s)
+            pipe.execute()
+
+    def _enqueue_chunk(self, batch: str, jobs: Sequence[Job]) -> None:
+        """Items list, id set and RQ jobs for one chunk go out in one pipelined round trip."""
+        with self.redis.pipeline() as pipe:
+            ids = [j.custom_id for j in jobs]
+            pipe.rpush(self.keys.batch_items(batch), *ids)
+            pipe.sadd(self.keys.batch_item_set(batch), *ids)
+            for key in (self.keys.batch_items(batch), self.keys.batch_item_set(batch)):
+                pipe.expire(key, self.batch_ttl_s)
+            for model in MODEL_NAMES:
+                datas = [self._enqueue_data(batch, j) for j in jobs if j.model == model]
+                if datas:
+                    self.queues[model].enqueue_many(datas, pipeline=pipe)
+            pipe.execute()
+
+    def _enqueue_data(self, batch: str, job: Job) -> Any:
+        payload = replace(job, batch=batch).to_dict()
+        return Queue.prepare_data(
+            RUN_DECISION,
+            args=[payload],
+            job_id=job_id(batch, job.custom_id),
+            description=f"{job.model}:{job.custom_id}",
+            timeout=self.job_timeout_s,
+            result_ttl=self.batch_ttl_s,
+            failure_ttl=self.batch_ttl_s,
+            retry=Retry(max=self.retries) if self.retries > 0 else None,
+        )
+
+    # ---- follow ---------------------------------------------------------------------------
+    def status(self, batch: str) -> BatchRecord:
+        return read_batch(self.redis, self.keys, batch)
+
+    def wait(
+        self, batch: str, *, poll_s: float = 0.5, timeout_s: float | None = None, on_poll: Any = None
+    ) -> BatchRecord:
+        """Poll until every item has a final result (or timeout_s passes); returns the last record."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            record = self.status(batch)
+            if on_poll is not None:
+                on_poll(record)
+            if record.complete or (deadline is not None and time.monotonic() >= deadline):
+                return record
+            time.sleep(poll_s)
+
+    def iter_results(self, batch: str) -> Iterator[dict[str, Any]]:
+        """One dict per item in input order: final answer (with its escalation chain) or error."""
+        return iter_export(self.redis, self.keys, batch)
+
+    def overview(self) -> dict[str, Any]:
+        """Queue depths per model and the workers seen in the last minute."""
+        now = time.time()
+        workers = self.redis.zrangebyscore(self.keys.workers(), now - 60, "+inf", withscores=True)
+        return {
+            "queues": {m: q.count for m, q in self.queues.items()},
+            "workers": [{"name": n.decode(), "last_seen_s": round(now - s, 1)} for n, s in workers],
+        }
+
+    # ---- cancel ---------------------------------------------------------------------------
+    def cancel(self, batch: str) -> int:
+        """Cancel every still-queued item of the batch; running ones finish. Returns how many were cancelled.
+
+        The flag is set first, so a worker that takes one of these jobs in the meantime cancels it too.
+        """
+        self.status(batch)  # raises BatchNotFoundError for an unknown batch
+        self.redis.hset(self.keys.batch(batch), "cancel_requested", "1")
+        custom_ids = [c.decode() for c in self.redis.lrange(self.keys.batch_items(batch), 0, -1)]
+        by_id = {job_id(batch, c): c for c in custom_ids}
+        by_id.update({followup_id(j, to): c for j, c in list(by_id.items()) for to in ESCALATES_TO.values()})
+        cancelled = 0
+        for model, queue in self.queues.items():
+            for jid in [j for j in queue.get_job_ids() if j in by_id]:
+                if not self.redis.lrem(queue.key, 0, jid):
+                    continue  # a worker took it meanwhile; it sees the flag and cancels it itself
+                result = Result.failure(
+                    custom_id=by_id[jid],
+                    model=model,
+                    job_id=jid,
+                    batch=batch,
+                    error_type=CANCELLED,
+                    message="cancelled before it ran",
+                )
+                cancelled += record_result(self.redis, self.keys, result)
+        return cancelled

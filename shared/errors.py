@@ -1,0 +1,89 @@
+"""One error tree for the whole project; each per-job failure carries a stable `type` string."""
+
+from __future__ import annotations
+
+# Stable error `type` strings written into results. Clients match on these: never rename one.
+INVALID_JOB = "invalid_job"
+NOT_ALLOWED = "not_allowed"
+BAD_PAYLOAD = "bad_payload"
+INPUT_TOO_LONG = "input_too_long"
+NON_FINITE_LOGITS = "non_finite_logits"
+OUT_OF_MEMORY = "out_of_memory"
+TIMEOUT = "timeout"
+CANCELLED = "cancelled"
+WORKER_DIED = "worker_died"
+INTERNAL = "internal"
+
+ERROR_TYPES = (
+    INVALID_JOB,
+    NOT_ALLOWED,
+    BAD_PAYLOAD,
+    INPUT_TOO_LONG,
+    NON_FINITE_LOGITS,
+    OUT_OF_MEMORY,
+    TIMEOUT,
+    CANCELLED,
+    WORKER_DIED,
+    INTERNAL,
+)
+
+
+class KevlayaError(Exception):
+    """Base of every error kevlaya raises on purpose."""
+
+    type: str = INTERNAL
+
+
+class ValidationError(KevlayaError):
+    """A job or submission line breaks the contract; names the field (and line, when known)."""
+
+    type = INVALID_JOB
+
+    def __init__(self, message: str, *, field: str | None = None, line: int | None = None) -> None:
+        self.field = field
+        self.line = line
+        super().__init__(message)
+
+    def at_line(self, line: int) -> ValidationError:
+        """The same error, tagged with the 1-based input line it came from."""
+        return ValidationError(str(self), field=self.field, line=line)
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return f"line {self.line}: {text}" if self.line is not None else text
+
+
+class SubmissionError(KevlayaError):
+    """A whole submission was refused; `errors` holds every bad line (nothing was enqueued)."""
+
+    def __init__(self, errors: list[ValidationError]) -> None:
+        self.errors = errors
+        super().__init__(f"{len(errors)} invalid line(s); nothing enqueued")
+
+
+class PayloadError(KevlayaError):
+    """A job found in Redis cannot be decoded (malformed hash, unknown version, pickled data)."""
+
+    type = BAD_PAYLOAD
+
+
+class NotAllowedError(PayloadError):
+    """A job names a function or callback outside the allowlist."""
+
+    type = NOT_ALLOWED
+
+
+class ConfigError(KevlayaError):
+    """The models config or a setting is invalid; raised before anything is loaded."""
+
+
+class BatchNotFoundError(KevlayaError):
+    """No batch with this id exists in Redis (never submitted, or expired)."""
+
+
+class JobFailure(KevlayaError):
+    """One job failed for a known reason; the worker turns it into an error result of this `type`."""
+
+    def __init__(self, error_type: str, message: str) -> None:
+        self.type = error_type
+        super().__init__(message)

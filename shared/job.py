@@ -1,0 +1,286 @@
+"""The versioned job payload: a frozen dataclass that validates, encodes and decodes itself."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import orjson
+
+from shared import SCHEMA_VERSION
+from shared.errors import ValidationError
+from shared.models import MODEL_NAMES
+
+KIB = 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Size limits enforced at validation time (producer) and again at decode time (worker)."""
+
+    max_prompt_bytes: int = 64 * KIB
+    max_new_tokens: int = 4096
+    max_choices: int = 32
+    max_choice_bytes: int = 1 * KIB
+    max_custom_id_chars: int = 256
+    max_meta_bytes: int = 16 * KIB
+
+
+DEFAULT_LIMITS = Limits()
+
+# Fields a user may write. `parent` and `batch` are set by kevlaya itself.
+USER_FIELDS = frozenset(
+    {
+        "v",
+        "custom_id",
+        "model",
+        "prompt",
+        "input",
+        "choices",
+        "max_new_tokens",
+        "escalate",
+        "truncate",
+        "temperature",
+        "seed",
+        "meta",
+    }
+)
+SYSTEM_FIELDS = frozenset({"parent", "batch"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parent:
+    """The Laya answer a Kev follow-up escalates from (data in the message, not code)."""
+
+    job_id: str
+    model: str
+    text: str
+    decision: str | None
+    confidence: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """One decision request. `prompt` or `input` (fields rendered by the model's template) is required.
+
+    escalate: None = the model's rule, False = never, a float in (0, 1] = escalate below that confidence.
+    """
+
+    custom_id: str
+    model: str
+    prompt: str | None = None
+    input: dict[str, str] | None = None
+    choices: tuple[str, ...] | None = None
+    max_new_tokens: int | None = None
+    escalate: bool | float | None = None
+    truncate: bool = False
+    temperature: float = 0.0
+    seed: int | None = None
+    meta: Any = None
+    batch: str | None = None
+    parent: Parent | None = None
+    v: int = SCHEMA_VERSION
+
+    # ---- encoding -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready payload, without fields left at their empty defaults."""
+        out: dict[str, Any] = {}
+        for key, value in asdict(self).items():
+            if value is None or (key == "truncate" and value is False):
+                continue
+            if key == "temperature" and value == 0.0:
+                continue
+            out[key] = list(value) if key == "choices" else value
+        return out
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, data: bytes | str, *, limits: Limits = DEFAULT_LIMITS) -> Job:
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise ValidationError(f"invalid JSON: {exc}") from exc
+        return cls.from_dict(obj, limits=limits, allow_system=True)
+
+    @classmethod
+    def from_dict(
+        cls,
+        obj: Any,
+        *,
+        limits: Limits = DEFAULT_LIMITS,
+        default_model: str | None = None,
+        allow_system: bool = False,
+    ) -> Job:
+        """Validate a decoded JSON object; every refusal names the field it is about."""
+        if not isinstance(obj, dict):
+            raise ValidationError(f"a job must be a JSON object, got {type(obj).__name__}")
+        allowed = USER_FIELDS | SYSTEM_FIELDS if allow_system else USER_FIELDS
+        unknown = sorted(set(obj) - allowed)
+        if unknown:
+            raise ValidationError(
+                f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(allowed))}",
+                field=unknown[0],
+            )
+        version = obj.get("v", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise ValidationError(
+                f"unsupported schema version v={version!r} (this kevlaya speaks v={SCHEMA_VERSION})", field="v"
+            )
+        prompt, input_fields = _prompt_and_input(obj, limits)
+        return cls(
+            custom_id=_custom_id(obj.get("custom_id"), limits),
+            model=_model(obj.get("model", default_model)),
+            prompt=prompt,
+            input=input_fields,
+            choices=_choices(obj.get("choices"), limits),
+            max_new_tokens=_max_new_tokens(obj.get("max_new_tokens"), limits),
+            escalate=_escalate(obj.get("escalate")),
+            truncate=_bool(obj.get("truncate", False), "truncate"),
+            temperature=_temperature(obj.get("temperature", 0.0)),
+            seed=_seed(obj.get("seed")),
+            meta=_meta(obj.get("meta"), limits),
+            batch=_optional_str(obj.get("batch"), "batch"),
+            parent=_parent(obj.get("parent")),
+        )
+
+    def with_batch(self, batch: str) -> Job:
+        return replace(self, batch=batch)
+
+
+# ---- field validators (each raises ValidationError naming its field) ---------------------------
+def _custom_id(value: Any, limits: Limits) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValidationError("'custom_id' must be a non-empty string", field="custom_id")
+    if len(value) > limits.max_custom_id_chars:
+        raise ValidationError(
+            f"'custom_id' is {len(value)} characters; the limit is {limits.max_custom_id_chars}", field="custom_id"
+        )
+    return value
+
+
+def _model(value: Any) -> str:
+    if value is None:
+        raise ValidationError(
+            f"missing 'model' (one of: {', '.join(MODEL_NAMES)}; or pass a default model)", field="model"
+        )
+    if value not in MODEL_NAMES:
+        raise ValidationError(f"unknown model {value!r}; allowed: {', '.join(MODEL_NAMES)}", field="model")
+    return value
+
+
+def _prompt_and_input(obj: dict[str, Any], limits: Limits) -> tuple[str | None, dict[str, str] | None]:
+    prompt, fields = obj.get("prompt"), obj.get("input")
+    if prompt is None and fields is None:
+        raise ValidationError("missing 'prompt' (or 'input' fields for the model's template)", field="prompt")
+    if prompt is not None and fields is not None:
+        raise ValidationError("give 'prompt' or 'input', not both", field="input")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise ValidationError(f"'prompt' must be a string, got {type(prompt).__name__}", field="prompt")
+        _check_size(prompt, limits.max_prompt_bytes, "prompt")
+        return prompt, None
+    if not isinstance(fields, dict) or not fields:
+        raise ValidationError("'input' must be a non-empty object of string fields", field="input")
+    for name, value in fields.items():
+        if not isinstance(value, str):
+            raise ValidationError(f"'input.{name}' must be a string, got {type(value).__name__}", field="input")
+    _check_size("".join(fields.values()), limits.max_prompt_bytes, "input")
+    return None, dict(fields)
+
+
+def _check_size(text: str, limit: int, name: str) -> None:
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise ValidationError(f"'{name}' is {size} bytes; the limit is {limit} bytes", field=name)
+
+
+def _choices(value: Any, limits: Limits) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value:
+        raise ValidationError("'choices' must be a non-empty list of strings", field="choices")
+    if len(value) > limits.max_choices:
+        raise ValidationError(f"'choices' has {len(value)} entries; the limit is {limits.max_choices}", field="choices")
+    seen: set[str] = set()
+    for choice in value:
+        if not isinstance(choice, str) or not choice:
+            raise ValidationError("every entry of 'choices' must be a non-empty string", field="choices")
+        _check_size(choice, limits.max_choice_bytes, "choices")
+        if choice in seen:
+            raise ValidationError(f"duplicate choice {choice!r} in 'choices'", field="choices")
+        seen.add(choice)
+    return tuple(value)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _max_new_tokens(value: Any, limits: Limits) -> int | None:
+    if value is None:
+        return None
+    if not _int(value) or not 1 <= value <= limits.max_new_tokens:
+        raise ValidationError(
+            f"'max_new_tokens' must be an integer from 1 to {limits.max_new_tokens}, got {value!r}",
+            field="max_new_tokens",
+        )
+    return value
+
+
+def _escalate(value: Any) -> bool | float | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and 0.0 < float(value) <= 1.0:
+        return float(value)
+    raise ValidationError(
+        f"'escalate' must be true, false or a confidence threshold in (0, 1], got {value!r}", field="escalate"
+    )
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValidationError(f"'{name}' must be true or false, got {value!r}", field=name)
+    return value
+
+
+def _temperature(value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0.0 <= value <= 5.0):
+        raise ValidationError(f"'temperature' must be a number from 0 to 5, got {value!r}", field="temperature")
+    if not math.isfinite(value):
+        raise ValidationError("'temperature' must be finite", field="temperature")
+    return float(value)
+
+
+def _seed(value: Any) -> int | None:
+    if value is None:
+        return None
+    if not _int(value) or not 0 <= value < 2**63:
+        raise ValidationError(f"'seed' must be a non-negative integer, got {value!r}", field="seed")
+    return value
+
+
+def _meta(value: Any, limits: Limits) -> Any:
+    if value is None:
+        return None
+    size = len(orjson.dumps(value))
+    if size > limits.max_meta_bytes:
+        raise ValidationError(f"'meta' is {size} bytes of JSON; the limit is {limits.max_meta_bytes}", field="meta")
+    return value
+
+
+def _optional_str(value: Any, name: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValidationError(f"'{name}' must be a string", field=name)
+    return value
+
+
+def _parent(value: Any) -> Parent | None:
+    if value is None:
+        return None
+    try:
+        return Parent(**value)
+    except TypeError as exc:
+        raise ValidationError(f"'parent' is malformed: {exc}", field="parent") from exc

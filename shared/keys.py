@@ -1,0 +1,75 @@
+"""Every Redis key and id kevlaya writes, in one place. The prefix is configurable (default `kevlaya:`)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "kevlaya:"
+
+
+def job_id(batch: str, custom_id: str) -> str:
+    """Deterministic RQ job id: resubmitting an item into the same batch maps to the same job."""
+    digest = hashlib.sha1(custom_id.encode("utf-8", "surrogatepass")).hexdigest()[:20]
+    return f"{batch}-{digest}"
+
+
+def followup_id(parent_job_id: str, model: str) -> str:
+    """Deterministic id of an escalation follow-up: a retried parent never creates a second one."""
+    return f"{parent_job_id}-{model}"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names. RQ queue names are `<prefix><model>`; RQ adds its own `rq:queue:` around them."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def queue_name(self, model: str) -> str:
+        return f"{self.prefix}{model}"
+
+    def batch(self, batch: str) -> str:
+        """Hash: id, created, expires, total, counters, flags."""
+        return f"{self.prefix}batch:{batch}"
+
+    def batch_items(self, batch: str) -> str:
+        """List: custom_ids in input order."""
+        return f"{self.prefix}batch:{batch}:items"
+
+    def batch_item_set(self, batch: str) -> str:
+        """Set: custom_ids already submitted (idempotent resubmission)."""
+        return f"{self.prefix}batch:{batch}:ids"
+
+    def batch_results(self, batch: str) -> str:
+        """Hash: custom_id -> final result JSON. HSETNX keeps exactly one final result per item."""
+        return f"{self.prefix}batch:{batch}:results"
+
+    def batch_steps(self, batch: str) -> str:
+        """Hash: custom_id -> the non-final (escalated) Laya result JSON."""
+        return f"{self.prefix}batch:{batch}:steps"
+
+    def batch_running(self, batch: str) -> str:
+        """Set: job ids a worker has taken and not yet finalised."""
+        return f"{self.prefix}batch:{batch}:running"
+
+    def batches(self) -> str:
+        """Sorted set: batch id -> created timestamp."""
+        return f"{self.prefix}batches"
+
+    def workers(self) -> str:
+        """Sorted set: worker name -> last heartbeat timestamp."""
+        return f"{self.prefix}workers"
+
+    def worker_stats(self, name: str) -> str:
+        """Hash: counters a worker publishes (batches, jobs, switches, peak memory)."""
+        return f"{self.prefix}worker:{name}:stats"
+
+    def batch_keys(self, batch: str) -> list[str]:
+        return [
+            self.batch(batch),
+            self.batch_items(batch),
+            self.batch_item_set(batch),
+            self.batch_results(batch),
+            self.batch_steps(batch),
+            self.batch_running(batch),
+        ]

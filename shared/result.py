@@ -1,0 +1,88 @@
+"""The result of one job: an answer or a clear error. Frozen, self-encoding, versioned like the job."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+from shared import SCHEMA_VERSION
+
+
+@dataclass(frozen=True, kw_only=True)
+class ErrorInfo:
+    """`type` is one of shared.errors.ERROR_TYPES; `message` is for humans."""
+
+    type: str
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result:
+    """What the worker writes back for one job.
+
+    confidence: for generation, the probability the model gave the decision span it emitted
+    (product of those tokens' probabilities); for choices, the normalised probability of the argmax.
+    final: True when this is the item's final answer (False for a Laya answer that escalated).
+    """
+
+    custom_id: str
+    model: str
+    job_id: str
+    batch: str | None = None
+    text: str | None = None
+    decision: str | None = None
+    confidence: float | None = None
+    choices: dict[str, float] | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    escalated_to: str | None = None
+    escalated_from: str | None = None
+    final: bool = True
+    timing: dict[str, float] = field(default_factory=dict)
+    model_version: dict[str, str] = field(default_factory=dict)
+    meta: Any = None
+    error: ErrorInfo | None = None
+    v: int = SCHEMA_VERSION
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> Result:
+        data = dict(obj)
+        if isinstance(data.get("error"), dict):
+            data["error"] = ErrorInfo(**data["error"])
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Result:
+        return cls.from_dict(orjson.loads(data))
+
+    @classmethod
+    def failure(
+        cls,
+        *,
+        custom_id: str,
+        model: str,
+        job_id: str,
+        batch: str | None,
+        error_type: str,
+        message: str,
+        meta: Any = None,
+    ) -> Result:
+        return cls(
+            custom_id=custom_id,
+            model=model,
+            job_id=job_id,
+            batch=batch,
+            meta=meta,
+            error=ErrorInfo(type=error_type, message=message),
+        )

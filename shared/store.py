@@ -1,0 +1,217 @@
+"""The batch record in Redis and the one way results are written to it (worker and tests alike)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from redis import Redis
+
+from shared.errors import CANCELLED, BatchNotFoundError
+from shared.keys import Keys
+from shared.result import Result
+
+DEFAULT_BATCH_TTL_S = 7 * 24 * 3600
+_READ_CHUNK = 1000
+
+# Records one result atomically. A final result is kept only if the item has none yet (HSETNX), so a
+# retried or duplicated job can never produce a second final answer; counters move only on that first write.
+# KEYS: results, batch hash, running set, steps. ARGV: custom_id, json, counter, now, job_id, final.
+_RECORD_LUA = """
+local ttl = redis.call('PTTL', KEYS[2])
+local first = 0
+if ARGV[6] == '1' then
+  first = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+  if first == 1 then
+    redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+    redis.call('HSETNX', KEYS[2], 'first_done_at', ARGV[4])
+    redis.call('HSET', KEYS[2], 'last_done_at', ARGV[4])
+  end
+else
+  first = redis.call('HSETNX', KEYS[4], ARGV[1], ARGV[2])
+  if first == 1 then redis.call('HINCRBY', KEYS[2], 'escalated', 1) end
+end
+redis.call('SREM', KEYS[3], ARGV[5])
+if ttl > 0 then
+  for i = 1, 4 do
+    if i ~= 2 and redis.call('EXISTS', KEYS[i]) == 1 then redis.call('PEXPIRE', KEYS[i], ttl) end
+  end
+end
+return first
+"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchCounts:
+    total: int
+    queued: int
+    running: int
+    finished: int
+    failed: int
+    escalated: int
+    cancelled: int
+
+    @property
+    def done(self) -> int:
+        return self.finished + self.failed + self.cancelled
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "total": self.total,
+            "queued": self.queued,
+            "running": self.running,
+            "finished": self.finished,
+            "failed": self.failed,
+            "escalated": self.escalated,
+            "cancelled": self.cancelled,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchRecord:
+    id: str
+    created_at: float
+    expires_at: float
+    counts: BatchCounts
+    first_done_at: float | None
+    last_done_at: float | None
+    cancel_requested: bool
+    escalate_off: bool
+
+    @property
+    def complete(self) -> bool:
+        return self.counts.done >= self.counts.total
+
+    def rate_per_s(self, now: float) -> float | None:
+        """Items finalised per second since the first one, or None before two points exist."""
+        if self.first_done_at is None or self.counts.done < 2:
+            return None
+        end = self.last_done_at if self.complete and self.last_done_at else now
+        span = max(end - self.created_at, 1e-6)
+        return self.counts.done / span
+
+    def eta_s(self, now: float) -> float | None:
+        rate = self.rate_per_s(now)
+        if rate is None or rate <= 0:
+            return None
+        return (self.counts.total - self.counts.done) / rate
+
+    def to_dict(self, now: float | None = None) -> dict[str, Any]:
+        now = time.time() if now is None else now
+        return {
+            "batch": self.id,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "complete": self.complete,
+            "cancel_requested": self.cancel_requested,
+            "counts": self.counts.to_dict(),
+            "rate_per_s": self.rate_per_s(now),
+            "eta_s": self.eta_s(now),
+        }
+
+
+def record_result(redis: Redis, keys: Keys, result: Result, *, counter: str | None = None) -> bool:
+    """Write one job's result. Returns True if it was the item's first result of its kind.
+
+    Final results go to the results hash (one per item, ever); a non-final (escalated) Laya result
+    goes to the steps hash. `counter` defaults to finished/failed/cancelled from the result itself.
+    """
+    if result.batch is None:
+        raise ValueError("a result must name its batch")
+    if counter is None:
+        counter = _counter_for(result)
+    script = redis.register_script(_RECORD_LUA)
+    first = script(
+        keys=[
+            keys.batch_results(result.batch),
+            keys.batch(result.batch),
+            keys.batch_running(result.batch),
+            keys.batch_steps(result.batch),
+        ],
+        args=[
+            result.custom_id,
+            result.to_json(),
+            counter,
+            repr(time.time()),
+            result.job_id,
+            "1" if result.final else "0",
+        ],
+    )
+    return bool(first)
+
+
+def _counter_for(result: Result) -> str:
+    if result.error is None:
+        return "finished"
+    return "cancelled" if result.error.type == CANCELLED else "failed"
+
+
+def read_batch(redis: Redis, keys: Keys, batch: str) -> BatchRecord:
+    with redis.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.batch(batch))
+        pipe.scard(keys.batch_running(batch))
+        raw, running = pipe.execute()
+    if not raw:
+        raise BatchNotFoundError(f"no batch {batch!r} (never submitted, or expired)")
+    h = {k.decode(): v.decode() for k, v in raw.items()}
+    total = int(h.get("total", 0))
+    finished, failed, cancelled = (int(h.get(f, 0)) for f in ("finished", "failed", "cancelled"))
+    running = min(int(running), max(total - finished - failed - cancelled, 0))
+    counts = BatchCounts(
+        total=total,
+        queued=max(total - finished - failed - cancelled - running, 0),
+        running=running,
+        finished=finished,
+        failed=failed,
+        escalated=int(h.get("escalated", 0)),
+        cancelled=cancelled,
+    )
+    return BatchRecord(
+        id=batch,
+        created_at=float(h.get("created_at", 0.0)),
+        expires_at=float(h.get("expires_at", 0.0)),
+        counts=counts,
+        first_done_at=float(h["first_done_at"]) if "first_done_at" in h else None,
+        last_done_at=float(h["last_done_at"]) if "last_done_at" in h else None,
+        cancel_requested=h.get("cancel_requested") == "1",
+        escalate_off=h.get("escalate_off") == "1",
+    )
+
+
+def batch_flags(redis: Redis, keys: Keys, batch: str) -> tuple[bool, bool]:
+    """(cancel_requested, escalate_off) for a batch, read in one round trip; both False if it is gone."""
+    cancel, no_escalate = redis.hmget(keys.batch(batch), ["cancel_requested", "escalate_off"])
+    return cancel == b"1", no_escalate == b"1"
+
+
+def iter_export(redis: Redis, keys: Keys, batch: str) -> Iterator[dict[str, Any]]:
+    """One dict per submitted item, in input order: its final result, or a pending marker.
+
+    An escalated item carries its Laya step under `chain`, so the export shows who answered what.
+    """
+    read_batch(redis, keys, batch)  # raises BatchNotFoundError early
+    start = 0
+    while True:
+        ids = redis.lrange(keys.batch_items(batch), start, start + _READ_CHUNK - 1)
+        if not ids:
+            return
+        with redis.pipeline(transaction=False) as pipe:
+            pipe.hmget(keys.batch_results(batch), ids)
+            pipe.hmget(keys.batch_steps(batch), ids)
+            finals, steps = pipe.execute()
+        for cid, final, step in zip(ids, finals, steps, strict=True):
+            yield _export_row(cid.decode(), final, step)
+        start += _READ_CHUNK
+
+
+def _export_row(custom_id: str, final: bytes | None, step: bytes | None) -> dict[str, Any]:
+    if final is None:
+        row: dict[str, Any] = {"custom_id": custom_id, "pending": True}
+    else:
+        row = orjson.loads(final)
+    if step is not None:
+        row["chain"] = [orjson.loads(step)]
+    return row

@@ -1,0 +1,84 @@
+"""The `kevlaya` CLI: batch id alone on stdout, line-numbered errors, stdin, status JSON, export."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+from click.testing import CliRunner
+from redis import Redis
+
+from producer.cli import cli
+from tests.helpers import answer
+
+
+@pytest.fixture
+def run(redis_url: str, redis: Redis):
+    runner = CliRunner()
+
+    def invoke(*args: str, input: bytes | None = None):
+        return runner.invoke(cli, ["--redis-url", redis_url, *args], input=input, catch_exceptions=False)
+
+    return invoke
+
+
+def jsonl(*objs: dict) -> bytes:
+    return b"".join(orjson.dumps(o) + b"\n" for o in objs)
+
+
+def test_submit_prints_only_the_batch_id_on_stdout(run, tmp_path: Path, redis: Redis) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(jsonl(*({"custom_id": str(i), "prompt": "p"} for i in range(3))))
+    res = run("submit", str(path), "--model", "laya")
+    assert res.exit_code == 0
+    batch = res.stdout.strip()
+    assert batch and "\n" not in batch
+    assert "3 enqueued" in res.stderr
+    status = orjson.loads(run("status", batch, "--json").stdout)
+    assert status["counts"]["total"] == 3 and status["counts"]["queued"] == 3
+
+
+def test_submit_reports_every_bad_line_and_enqueues_nothing(run, redis: Redis) -> None:
+    data = jsonl({"custom_id": "a", "model": "laya", "prompt": "ok"}) + b"nope\n" + jsonl({"model": "kev"})
+    res = run("submit", "-", input=data)
+    assert res.exit_code == 1
+    assert "line 2: invalid JSON" in res.stderr
+    assert "line 3: missing 'prompt'" in res.stderr
+    assert res.stdout == ""
+    assert redis.dbsize() == 0
+
+
+def test_results_exports_in_input_order(run, redis: Redis, tmp_path: Path) -> None:
+    batch = run("submit", "-", "--model", "kev", input=jsonl(*({"custom_id": f"x{i}", "prompt": "p"} for i in range(3)))).stdout.strip()
+    for i in (2, 0, 1):
+        answer(redis, batch, f"x{i}", model="kev", text=f"t{i}")
+    out = tmp_path / "out.jsonl"
+    assert run("results", batch, "-o", str(out)).exit_code == 0
+    rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert [(r["custom_id"], r["text"]) for r in rows] == [("x0", "t0"), ("x1", "t1"), ("x2", "t2")]
+
+
+def test_cancel_and_status_without_batch(run) -> None:
+    batch = run("submit", "-", "--model", "laya", input=jsonl({"custom_id": "a", "prompt": "p"})).stdout.strip()
+    assert run("cancel", batch).exit_code == 0
+    status = orjson.loads(run("status", batch, "--json").stdout)
+    assert status["counts"]["cancelled"] == 1 and status["complete"]
+    overview = orjson.loads(run("status", "--json").stdout)
+    assert overview["queues"] == {"kev": 0, "laya": 0}
+
+
+def test_unknown_batch_exits_nonzero_with_message(redis_url: str, redis: Redis) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", "from producer.cli import main; main()", "--redis-url", redis_url, "status", "zzz"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 1 and "no batch 'zzz'" in proc.stderr
+
+
+def test_producer_does_not_import_torch() -> None:
+    code = "import sys, producer, shared, producer.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,72 @@
+"""Every validation refusal names its field; valid jobs round-trip through JSON unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.errors import ValidationError
+from shared.job import Job, Limits
+
+BASE = {"custom_id": "a", "model": "laya", "prompt": "Approve this loan?"}
+
+
+@pytest.mark.parametrize(
+    ("patch", "field", "fragment"),
+    [
+        ({"model": "gpt"}, "model", "allowed: kev, laya"),
+        ({"model": None}, "model", "missing 'model'"),
+        ({"prompt": None}, "prompt", "missing 'prompt'"),
+        ({"prompt": 42}, "prompt", "must be a string"),
+        ({"max_new_token": 5}, "max_new_token", "unknown field"),
+        ({"max_new_tokens": 0}, "max_new_tokens", "from 1 to 4096"),
+        ({"max_new_tokens": 99999}, "max_new_tokens", "from 1 to 4096"),
+        ({"max_new_tokens": True}, "max_new_tokens", "integer"),
+        ({"choices": []}, "choices", "non-empty list"),
+        ({"choices": ["yes", "yes"]}, "choices", "duplicate choice"),
+        ({"choices": [str(i) for i in range(33)]}, "choices", "limit is 32"),
+        ({"choices": ["yes", ""]}, "choices", "non-empty string"),
+        ({"prompt": "x" * (64 * 1024 + 1)}, "prompt", "limit is 65536 bytes"),
+        ({"custom_id": ""}, "custom_id", "non-empty string"),
+        ({"escalate": 1.5}, "escalate", "threshold"),
+        ({"temperature": -1}, "temperature", "from 0 to 5"),
+        ({"v": 2}, "v", "unsupported schema version"),
+        ({"parent": {"job_id": "x"}}, "parent", "unknown field"),
+    ],
+)
+def test_each_refusal_names_its_field(patch: dict, field: str, fragment: str) -> None:
+    obj = {**BASE, **patch}
+    obj = {k: v for k, v in obj.items() if v is not None}
+    with pytest.raises(ValidationError) as info:
+        Job.from_dict(obj)
+    assert info.value.field == field
+    assert fragment in str(info.value)
+
+
+def test_prompt_limit_is_configurable() -> None:
+    with pytest.raises(ValidationError, match="limit is 10 bytes"):
+        Job.from_dict({**BASE, "prompt": "x" * 11}, limits=Limits(max_prompt_bytes=10))
+
+
+def test_default_model_fills_missing_model() -> None:
+    job = Job.from_dict({"custom_id": "a", "prompt": "p"}, default_model="kev")
+    assert job.model == "kev"
+
+
+def test_round_trip_through_json() -> None:
+    job = Job.from_dict({**BASE, "choices": ["approve", "reject"], "max_new_tokens": 8, "meta": {"k": [1, 2]}})
+    again = Job.from_json(job.to_json())
+    assert again == job
+    assert again.choices == ("approve", "reject")
+
+
+def test_input_fields_instead_of_prompt() -> None:
+    job = Job.from_dict({"custom_id": "a", "model": "kev", "input": {"applicant": "Ann", "amount": "5000"}})
+    assert job.prompt is None and job.input == {"applicant": "Ann", "amount": "5000"}
+    with pytest.raises(ValidationError, match="'input.amount' must be a string"):
+        Job.from_dict({"custom_id": "a", "model": "kev", "input": {"amount": 5000}})
+
+
+def test_system_fields_refused_from_users_but_accepted_from_the_queue() -> None:
+    with pytest.raises(ValidationError, match="unknown field"):
+        Job.from_dict({**BASE, "batch": "b1"})
+    assert Job.from_dict({**BASE, "batch": "b1"}, allow_system=True).batch == "b1"

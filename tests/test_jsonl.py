@@ -1,0 +1,53 @@
+"""Parsing a submission: every bad line reported with its number; OpenAI-style lines mapped."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from producer.jsonl import parse_lines
+from shared.errors import SubmissionError
+
+
+def lines(*objs: object) -> list[bytes]:
+    return [o if isinstance(o, bytes) else orjson.dumps(o) + b"\n" for o in objs]
+
+
+def test_all_bad_lines_reported_with_numbers() -> None:
+    raw = lines(
+        {"custom_id": "1", "model": "laya", "prompt": "ok"},
+        b"{not json}\n",
+        b"\xff\xfe bad utf8\n",
+        b"\n",
+        {"custom_id": "1", "model": "laya", "prompt": "dup"},
+        {"custom_id": "5", "model": "nope", "prompt": "x"},
+    )
+    with pytest.raises(SubmissionError) as info:
+        parse_lines(raw)
+    messages = [str(e) for e in info.value.errors]
+    assert messages[0].startswith("line 2: invalid JSON")
+    assert messages[1].startswith("line 3: invalid UTF-8")
+    assert messages[2].startswith("line 5: duplicate custom_id '1' (first on line 1)")
+    assert messages[3].startswith("line 6: unknown model 'nope'")
+    assert len(messages) == 4
+
+
+def test_blank_lines_skipped_and_missing_ids_named_by_line() -> None:
+    jobs = parse_lines(lines({"model": "kev", "prompt": "a"}, b"   \n", {"model": "kev", "prompt": "b"}))
+    assert [j.custom_id for j in jobs] == ["line-1", "line-3"]
+
+
+def test_openai_batch_lines_are_mapped() -> None:
+    line = {
+        "custom_id": "req-1",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "laya", "messages": [{"role": "user", "content": "Approve?"}], "max_tokens": 16},
+    }
+    (job,) = parse_lines(lines(line))
+    assert (job.custom_id, job.model, job.prompt, job.max_new_tokens) == ("req-1", "laya", "Approve?", 16)
+
+
+def test_no_escalate_applies_to_every_item() -> None:
+    jobs = parse_lines(lines({"custom_id": "a", "model": "laya", "prompt": "p"}), escalate=False)
+    assert jobs[0].escalate is False
