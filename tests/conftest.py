@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from redis import Redis
@@ -35,3 +36,24 @@ def redis(redis_url: str) -> Iterator[Redis]:
 @pytest.fixture
 def client(redis: Redis) -> Client:
     return Client(redis=redis)
+
+
+MODEL_CACHE = Path(__file__).resolve().parent.parent / ".kevlaya" / "test-models"
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> Path:
+    """Tiny Qwen2 base + Kev/Laya adapters (random weights), built once and cached under .kevlaya/."""
+    from worker.tinymodel import build_tiny_set
+
+    return build_tiny_set(MODEL_CACHE / "tiny").parent
+
+
+def tiny_config(root: Path, quantization: str = "nf4", **kw: int):
+    """A models config over the cached tiny models, written beside them for the given quantisation."""
+    from worker.config import load_config
+    from worker.tinymodel import tiny_toml
+
+    path = root / f"models-{quantization}.toml"
+    path.write_text(tiny_toml(quantization=quantization, **kw))
+    return load_config(path)

@@ -52,7 +52,9 @@ def test_submit_reports_every_bad_line_and_enqueues_nothing(run, redis: Redis) -
 
 
 def test_results_exports_in_input_order(run, redis: Redis, tmp_path: Path) -> None:
-    batch = run("submit", "-", "--model", "kev", input=jsonl(*({"custom_id": f"x{i}", "prompt": "p"} for i in range(3)))).stdout.strip()
+    batch = run(
+        "submit", "-", "--model", "kev", input=jsonl(*({"custom_id": f"x{i}", "prompt": "p"} for i in range(3)))
+    ).stdout.strip()
     for i in (2, 0, 1):
         answer(redis, batch, f"x{i}", model="kev", text=f"t{i}")
     out = tmp_path / "out.jsonl"

@@ -92,7 +92,7 @@ def test_unknown_batch_is_a_clear_error(client: Client) -> None:
 
 
 def test_overview_lists_queue_depths(client: Client) -> None:
-    client.submit_batch(items(3) + [{"custom_id": "k", "model": "kev", "prompt": "x"}])
+    client.submit_batch([*items(3), {"custom_id": "k", "model": "kev", "prompt": "x"}])
     assert client.overview()["queues"] == {"kev": 1, "laya": 3}
 
 

@@ -62,7 +62,7 @@ def test_round_trip_through_json() -> None:
 def test_input_fields_instead_of_prompt() -> None:
     job = Job.from_dict({"custom_id": "a", "model": "kev", "input": {"applicant": "Ann", "amount": "5000"}})
     assert job.prompt is None and job.input == {"applicant": "Ann", "amount": "5000"}
-    with pytest.raises(ValidationError, match="'input.amount' must be a string"):
+    with pytest.raises(ValidationError, match=r"'input\.amount' must be a string"):
         Job.from_dict({"custom_id": "a", "model": "kev", "input": {"amount": 5000}})
 
 

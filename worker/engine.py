@@ -1,0 +1,431 @@
+"""The engine: batched generation and choice scoring over resident bases with named LoRA adapters.
+
+`Engine.run(jobs)` takes a plain list of jobs (one model, or mixed for small tails) and answers
+index-aligned: every row gets a RowOutput, an error row never sinks its batch-mates.
+
+Confidence (documented in the README):
+- generation: the probability the model gave the *decision span* it emitted -- the tokens after the
+  model's `decision_prefix` ("Decision:") up to the end of that line, or the first line when there is no
+  prefix -- i.e. exp(sum of those tokens' log-probabilities) under the distribution it decoded from;
+- choices: the normalised probability of the best choice, from each choice's full log-likelihood.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import resource
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from shared.errors import INPUT_TOO_LONG, INTERNAL, NON_FINITE_LOGITS, OUT_OF_MEMORY, JobFailure
+from shared.job import Job
+from shared.result import ErrorInfo
+from worker.config import ModelsConfig, ModelSpec
+from worker.loading import LoadedBase, load_all
+from worker.memory import DTYPE_BYTES, BatchPlan, plan_batch
+from worker.templates import render
+
+log = logging.getLogger("kevlaya.engine")
+BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch
+FaultHook = Callable[[str, int], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowOutput:
+    text: str | None = None
+    decision: str | None = None
+    confidence: float | None = None
+    choices: dict[str, float] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: ErrorInfo | None = None
+
+    @classmethod
+    def failed(cls, error_type: str, message: str, prompt_tokens: int = 0) -> RowOutput:
+        return cls(error=ErrorInfo(type=error_type, message=message), prompt_tokens=prompt_tokens)
+
+
+@dataclass(frozen=True)
+class _Item:
+    index: int
+    job: Job
+    ids: list[int]
+    max_new: int
+    adapter: str | None
+
+
+class Engine:
+    """Models loaded once; `run` answers a batch. `fault_hook(phase, rows)` lets tests inject faults."""
+
+    def __init__(
+        self,
+        config: ModelsConfig,
+        *,
+        device: str | None = None,
+        memory_budget_bytes: int | None = None,
+        max_batch_rows: int = 256,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.memory_budget_bytes = memory_budget_bytes
+        self.max_batch_rows = max_batch_rows
+        self.fault_hook = fault_hook
+        if self.device.type == "cuda" and memory_budget_bytes:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, memory_budget_bytes / total), self.device)
+        self.bases: dict[str, LoadedBase] = load_all(config, self.device)
+        self.resident_bytes = self._resident_bytes()
+
+    # ---- facts the worker needs -------------------------------------------------------------
+    def base_for(self, model: str) -> LoadedBase:
+        return self.bases[self.config.models[model].base]
+
+    def model_version(self, model: str) -> dict[str, str]:
+        base = self.base_for(model)
+        version = {"base": base.fingerprint}
+        if model in base.adapter_fingerprints:
+            version["adapter"] = base.adapter_fingerprints[model]
+        return version
+
+    def plan(self, model: str, *, input_tokens: int | None = None) -> BatchPlan:
+        """How many rows of this model fit the memory budget (worst case: its full input and output limits)."""
+        spec = self.config.models[model]
+        base = self.base_for(model)
+        budget = self.memory_budget_bytes or (1 << 62)
+        return plan_batch(
+            base.shape,
+            budget_bytes=budget,
+            resident_bytes=self.resident_bytes,
+            input_tokens=input_tokens or spec.max_input_tokens,
+            new_tokens=spec.max_new_tokens,
+            dtype_bytes=DTYPE_BYTES[base.spec.compute_dtype],
+            max_rows_cap=self.max_batch_rows,
+        )
+
+    def peak_memory_bytes(self) -> int:
+        """Peak GPU memory allocated (CUDA), else the process's peak resident set size."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    # ---- the batch contract -----------------------------------------------------------------
+    def run(self, jobs: Sequence[Job]) -> list[RowOutput]:
+        """Answer every job, index-aligned. Choice jobs are scored, the others generated."""
+        outputs: list[RowOutput | None] = [None] * len(jobs)
+        groups: dict[tuple[Any, ...], list[_Item]] = defaultdict(list)
+        for index, job in enumerate(jobs):
+            try:
+                item = self._encode(index, job)
+            except JobFailure as failure:
+                outputs[index] = RowOutput.failed(failure.type, str(failure))
+                continue
+            spec = self.config.models[job.model]
+            mode = ("choices",) if job.choices else ("generate", job.temperature, job.seed)
+            groups[(spec.base, *mode)].append(item)
+        for key, items in groups.items():
+            fn = self._score if key[1] == "choices" else self._generate
+            for item, out in zip(items, self._guarded(fn, items), strict=True):
+                outputs[item.index] = out
+        return [o if o is not None else RowOutput.failed(INTERNAL, "no output produced") for o in outputs]
+
+    def _guarded(self, fn: Callable[[list[_Item]], list[RowOutput]], items: list[_Item]) -> list[RowOutput]:
+        """Out of memory splits the batch in halves and retries; only a row that fails alone is an error."""
+        try:
+            return fn(items)
+        except torch.OutOfMemoryError:
+            self._release_memory()
+            if len(items) == 1:
+                item = items[0]
+                return [RowOutput.failed(OUT_OF_MEMORY, "does not fit in memory even alone", len(item.ids))]
+            half = len(items) // 2
+            log.warning("out of memory at %d rows; splitting into %d + %d", len(items), half, len(items) - half)
+            return self._guarded(fn, items[:half]) + self._guarded(fn, items[half:])
+
+    def _release_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- encoding ---------------------------------------------------------------------------
+    def _encode(self, index: int, job: Job) -> _Item:
+        spec = self.config.models[job.model]
+        base = self.bases[spec.base]
+        template = spec.followup_template if (job.parent is not None and spec.followup_template) else spec.template
+        pieces: list[tuple[list[int], bool]] = []
+        for seg in render(template, job, system=spec.system):
+            ids = base.tokenizer(seg.text, add_special_tokens=False, split_special_tokens=seg.user).input_ids
+            pieces.append((ids, seg.user))
+        total = sum(len(ids) for ids, _ in pieces)
+        if total > spec.max_input_tokens:
+            if not job.truncate:
+                raise JobFailure(
+                    INPUT_TOO_LONG,
+                    f"prompt is {total} tokens; {job.model}'s limit is {spec.max_input_tokens} "
+                    '(set "truncate": true to cut the user text instead)',
+                )
+            pieces = _truncate(pieces, total - spec.max_input_tokens, spec)
+        ids = [t for seg_ids, _ in pieces for t in seg_ids]
+        max_new = min(job.max_new_tokens or spec.max_new_tokens, spec.max_new_tokens)
+        return _Item(index=index, job=job, ids=ids, max_new=max_new, adapter=base.adapters[job.model])
+
+    # ---- generation -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _generate(self, items: list[_Item]) -> list[RowOutput]:
+        base = self.base_for(items[0].job.model)
+        tok = base.tokenizer
+        input_ids, mask = self._left_pad(base, [it.ids for it in items])
+        prompt_len = input_ids.shape[1]
+        limits = torch.tensor([it.max_new for it in items], device=self.device)
+        stop_ids = self._stop_ids(base)
+        recorder = _StepRecorder(len(items), stop_ids[0])
+        job = items[0].job
+        gen_config = GenerationConfig(
+            max_new_tokens=int(limits.max()),
+            do_sample=job.temperature > 0,
+            temperature=job.temperature if job.temperature > 0 else None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=stop_ids,
+            pad_token_id=tok.pad_token_id,
+        )
+        if job.seed is not None:
+            torch.manual_seed(job.seed)
+        self._fault("generate", len(items))
+        with self._adapters(base, items) as kwargs:
+            out = base.model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                generation_config=gen_config,
+                logits_processor=LogitsProcessorList([recorder]),
+                stopping_criteria=StoppingCriteriaList([_RowLimit(limits, prompt_len)]),
+                **kwargs,
+            )
+        generated = out[:, prompt_len:]
+        logprobs = recorder.finish(generated)
+        results = []
+        for row, item in enumerate(items):
+            spec = self.config.models[item.job.model]
+            results.append(self._row_output(base, spec, item, generated[row], logprobs[row], bool(recorder.bad[row])))
+        return results
+
+    def _row_output(
+        self, base: LoadedBase, spec: ModelSpec, item: _Item, tokens: torch.Tensor, logprobs: torch.Tensor, bad: bool
+    ) -> RowOutput:
+        if bad:
+            return RowOutput.failed(NON_FINITE_LOGITS, "the model produced NaN/inf logits for this row", len(item.ids))
+        all_ids = tokens.tolist()
+        stops = set(self._stop_ids(base))
+        stop_at = next((i for i, t in enumerate(all_ids) if t in stops), None)
+        end = min(len(all_ids) if stop_at is None else stop_at, item.max_new)
+        # The stop token is generated too, so it counts as a completion token.
+        used = end + 1 if stop_at is not None and stop_at < item.max_new else end
+        ids = all_ids
+        ids, lps = ids[:end], logprobs[:end]
+        decode = base.tokenizer.decode
+        text = decode(ids, skip_special_tokens=True)
+        decision, start, stop = decision_span(ids, decode, spec.decision_prefix)
+        span = lps[start:stop] if stop > start else lps[:1]
+        confidence = float(torch.exp(span.double().sum())) if span.numel() else None
+        return RowOutput(
+            text=text,
+            decision=decision,
+            confidence=confidence,
+            prompt_tokens=len(item.ids),
+            completion_tokens=used,
+        )
+
+    # ---- choice scoring ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def _score(self, items: list[_Item]) -> list[RowOutput]:
+        """Each choice's log-likelihood (its tokens + end-of-answer) after the prompt, in one forward pass."""
+        base = self.base_for(items[0].job.model)
+        tok = base.tokenizer
+        end_id = self._stop_ids(base)[0]
+        seqs, owners, lengths = [], [], []
+        for row, item in enumerate(items):
+            for choice in item.job.choices or ():
+                cids = [*tok(choice, add_special_tokens=False, split_special_tokens=True).input_ids, end_id]
+                seqs.append(item.ids + cids)
+                owners.append(row)
+                lengths.append(len(cids))
+        input_ids, mask = self._left_pad(base, seqs)
+        tail = max(lengths)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        self._fault("score", len(items))
+        expanded = [items[o] for o in owners]
+        with self._adapters(base, expanded) as kwargs:
+            logits = base.model(
+                input_ids=input_ids, attention_mask=mask, position_ids=positions, logits_to_keep=tail + 1, **kwargs
+            ).logits
+        logp = logits.float().log_softmax(-1)
+        scores = torch.empty(len(seqs), dtype=torch.float64)
+        finite = torch.ones(len(items), dtype=torch.bool)
+        for k, m in enumerate(lengths):
+            window = logp[k, tail - m : tail]
+            targets = input_ids[k, -m:]
+            picked = window.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            if not torch.isfinite(picked).all():
+                finite[owners[k]] = False
+            scores[k] = picked.double().sum()
+        return [self._choice_output(item, scores, owners, row, bool(finite[row])) for row, item in enumerate(items)]
+
+    @staticmethod
+    def _choice_output(item: _Item, scores: torch.Tensor, owners: list[int], row: int, finite: bool) -> RowOutput:
+        if not finite:
+            return RowOutput.failed(NON_FINITE_LOGITS, "the model produced NaN/inf logits for this row", len(item.ids))
+        mine = torch.stack([scores[k] for k, o in enumerate(owners) if o == row])
+        probs = torch.softmax(mine, dim=0).tolist()
+        labels = list(item.job.choices or ())
+        best = max(range(len(labels)), key=probs.__getitem__)
+        return RowOutput(
+            text=labels[best],
+            decision=labels[best],
+            confidence=probs[best],
+            choices=dict(zip(labels, probs, strict=True)),
+            prompt_tokens=len(item.ids),
+            completion_tokens=0,
+        )
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _left_pad(self, base: LoadedBase, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(r) for r in rows)
+        pad = base.tokenizer.pad_token_id
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _stop_ids(self, base: LoadedBase) -> list[int]:
+        tok = base.tokenizer
+        ids = [tok.convert_tokens_to_ids(s) for s in self.config.stop_strings]
+        ids = [i for i in ids if isinstance(i, int) and i != tok.unk_token_id]
+        return ids or [tok.eos_token_id]
+
+    @contextlib.contextmanager
+    def _adapters(self, base: LoadedBase, items: Sequence[_Item]) -> Iterator[dict[str, Any]]:
+        """Select the adapter(s): one active adapter for a single-model batch, per-row names for a mixed one."""
+        names = {it.adapter for it in items}
+        if not base.has_peft:
+            yield {}
+        elif len(names) > 1:
+            yield {"adapter_names": [it.adapter or BASE_ADAPTER for it in items]}
+        elif None in names:
+            with base.model.disable_adapter():
+                yield {}
+        else:
+            base.model.set_adapter(next(iter(names)))
+            yield {}
+
+    def _fault(self, phase: str, rows: int) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(phase, rows)
+
+    def _resident_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return sum(b.model.get_memory_footprint() for b in self.bases.values())
+
+
+class _StepRecorder(LogitsProcessor):
+    """Records the log-probability of each token actually chosen, one step late (the next call's
+    `input_ids` reveal the previous choice), keeping only one step of full-vocabulary scores.
+    Rows with non-finite logits are flagged and forced to end, so their batch-mates carry on."""
+
+    def __init__(self, batch: int, end_id: int) -> None:
+        self.prev: torch.Tensor | None = None
+        self.chosen: list[torch.Tensor] = []
+        self.bad = torch.zeros(batch, dtype=torch.bool)
+        self.end_id = end_id
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        finite = torch.isfinite(scores).all(dim=-1)
+        if not bool(finite.all()):
+            self.bad |= (~finite).cpu()
+            scores = scores.clone()
+            scores[~finite] = float("-inf")
+            scores[~finite, self.end_id] = 0.0
+        logp = scores.float().log_softmax(dim=-1)
+        if self.prev is not None:
+            self.chosen.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.prev = logp
+        return scores
+
+    def finish(self, generated: torch.Tensor) -> torch.Tensor:
+        """(rows, steps) log-probs of the generated tokens (steps beyond a row's end are meaningless)."""
+        if self.prev is not None and generated.shape[1] > len(self.chosen):
+            self.chosen.append(self.prev.gather(1, generated[:, len(self.chosen)].unsqueeze(1)).squeeze(1))
+        if not self.chosen:
+            return torch.zeros((generated.shape[0], 0))
+        return torch.stack(self.chosen, dim=1).cpu()
+
+
+class _RowLimit(StoppingCriteria):
+    """Each row stops at its own max_new_tokens (the batch runs to the longest)."""
+
+    def __init__(self, limits: torch.Tensor, prompt_len: int) -> None:
+        self.limits = limits
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        return (input_ids.shape[1] - self.prompt_len) >= self.limits
+
+
+def decision_span(
+    ids: list[int], decode: Callable[[list[int]], str], prefix: str | None
+) -> tuple[str | None, int, int]:
+    """(decision text, first token, end token) of the decision: the line after the last `prefix`, else the
+    first line. Token bounds are found by decoding growing spans, so multi-byte characters stay whole."""
+    if not ids:
+        return None, 0, 0
+    text = decode(ids)
+    start = 0
+    if prefix and prefix in text:
+        k = len(ids) - 1
+        while k > 0 and prefix not in decode(ids[k:]):
+            k -= 1
+        start = k
+        while start < len(ids) and prefix not in decode(ids[k : start + 1]):
+            start += 1
+        start += 1
+    while start < len(ids) and not decode(ids[start : start + 1]).strip():
+        start += 1  # whitespace between the prefix and the label is not part of the decision
+    stop = start
+    while stop < len(ids) and "\n" not in decode(ids[start : stop + 1]):
+        stop += 1
+    # `stop` now indexes the token holding the line break (or len(ids)): the span is [start, stop).
+    decision = decode(ids[start:stop]).strip() or None
+    return decision, start, stop
+
+
+def _truncate(pieces: list[tuple[list[int], bool]], excess: int, spec: ModelSpec) -> list[tuple[list[int], bool]]:
+    """Cut `excess` tokens from the end of the longest user segment (the template framing stays whole)."""
+    user = [i for i, (ids, is_user) in enumerate(pieces) if is_user]
+    if not user:
+        raise JobFailure(INPUT_TOO_LONG, f"the template alone exceeds {spec.name}'s {spec.max_input_tokens} tokens")
+    longest = max(user, key=lambda i: len(pieces[i][0]))
+    ids = pieces[longest][0]
+    if len(ids) <= excess:
+        raise JobFailure(INPUT_TOO_LONG, f"cannot truncate to {spec.max_input_tokens} tokens for {spec.name}")
+    out = list(pieces)
+    out[longest] = (ids[: len(ids) - excess], True)
+    return out
+
+
+def engine_stats_line(model: str, rows: int, tokens: int, wait_s: float, run_s: float) -> str:
+    return (
+        f"batch model={model} n={rows} tokens={tokens} wait={wait_s:.2f}s run={run_s:.2f}s "
+        f"tok/s={tokens / max(run_s, 1e-9):.0f}"
+    )
+
+
+def now() -> float:
+    return time.perf_counter()

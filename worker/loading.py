@@ -1,0 +1,143 @@
+"""Loading the base model(s) once, quantised, with Kev and Laya attached as named PEFT adapters.
+
+Each distinct base in the config is loaded once (largest first, so the big allocation meets an empty
+card); models that share a base become named adapters on it, which is what keeps the seed's
+colliding LoRA keys apart. A model without an adapter is served by the base itself.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from shared.errors import ConfigError
+from worker.config import BaseSpec, ModelsConfig
+from worker.memory import ModelShape
+
+log = logging.getLogger("kevlaya.loading")
+hf_logging.disable_progress_bar()
+
+
+@dataclass
+class LoadedBase:
+    """One resident base and the adapters attached to it, by kevlaya model name."""
+
+    spec: BaseSpec
+    model: Any  # a PeftModel when any adapter is attached, else the plain causal LM
+    tokenizer: PreTrainedTokenizerBase
+    shape: ModelShape
+    fingerprint: str
+    adapters: dict[str, str | None] = field(default_factory=dict)  # model name -> adapter name (None = base)
+    adapter_fingerprints: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def has_peft(self) -> bool:
+        return any(a is not None for a in self.adapters.values())
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def load_all(config: ModelsConfig, device: torch.device) -> dict[str, LoadedBase]:
+    """Load every base the config uses, largest first, then attach each model's adapter by name."""
+    used = {m.base for m in config.models.values()}
+    order = sorted(used, key=lambda b: _checkpoint_bytes(config.bases[b].path), reverse=True)
+    loaded: dict[str, LoadedBase] = {}
+    for name in order:
+        if loaded and device.type == "cuda":
+            # Between two base loads only: returns the first load's transient buffers to the card so the
+            # second base's large allocations are not split around them (the seed's fragmentation).
+            gc.collect()
+            torch.cuda.empty_cache()
+        loaded[name] = load_base(config.bases[name], device)
+    for model in config.models.values():
+        attach_adapter(loaded[model.base], model.name, model.adapter)
+    return loaded
+
+
+def load_base(spec: BaseSpec, device: torch.device) -> LoadedBase:
+    dtype = torch_dtype(spec.compute_dtype)
+    quant = None
+    if spec.quantization != "none":
+        # NF4/FP4 need no calibration data: each block of 64 weights is scaled by its own absmax.
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=spec.quantization,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_use_double_quant=spec.double_quant,
+        )
+    log.info(
+        "loading base %s from %s (%s, %s) on %s", spec.name, spec.path, spec.quantization, spec.compute_dtype, device
+    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            spec.path, quantization_config=quant, dtype=dtype, device_map={"": str(device)}, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"base {spec.name!r} at {spec.path} could not be loaded: {exc}") from exc
+    model.eval()
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return LoadedBase(
+        spec=spec,
+        model=model,
+        tokenizer=tokenizer,
+        shape=ModelShape.from_config_file(spec.path),
+        fingerprint=fingerprint(spec.path),
+    )
+
+
+def attach_adapter(base: LoadedBase, model_name: str, adapter: Path | None) -> None:
+    """Attach `adapter` under the kevlaya model's own name; a clear ConfigError if it does not fit."""
+    from peft import PeftModel  # imported here: a config without adapters never needs peft
+
+    if adapter is None:
+        base.adapters[model_name] = None
+        return
+    try:
+        if isinstance(base.model, PeftModel):
+            base.model.load_adapter(str(adapter), adapter_name=model_name, is_trainable=False)
+        else:
+            base.model = PeftModel.from_pretrained(
+                base.model, str(adapter), adapter_name=model_name, is_trainable=False
+            )
+    except (RuntimeError, ValueError, KeyError, OSError) as exc:
+        raise ConfigError(
+            f"adapter for {model_name!r} at {adapter} does not fit base {base.spec.name!r}: {exc}"
+        ) from exc
+    base.model.eval()
+    base.adapters[model_name] = model_name
+    base.adapter_fingerprints[model_name] = fingerprint(adapter)
+
+
+def fingerprint(folder: Path) -> str:
+    """A short content hash of a checkpoint: config files in full, weight files by size and head/tail bytes."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        digest.update(path.name.encode())
+        if path.suffix in (".json", ".txt", ".model"):
+            digest.update(path.read_bytes())
+            continue
+        size = path.stat().st_size
+        digest.update(str(size).encode())
+        with path.open("rb") as fh:
+            digest.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(-(1 << 20), 2)
+                digest.update(fh.read())
+    return digest.hexdigest()[:16]
+
+
+def _checkpoint_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.glob("*.safetensors")) if path.is_dir() else 0

@@ -1,0 +1,118 @@
+"""Memory planning: KV bytes per token with grouped-query attention, and the largest batch that fits.
+
+The seed's formula (2 x layers x hidden x bytes) ignores grouped-query attention: only `kv_heads` heads of
+keys and values are cached, so per token it is 2 x layers x kv_heads x head_dim x bytes -- 28 KiB for a
+Qwen2.5-1.5B shape (28 layers, 2 KV heads of 128) in fp16, not 168 KiB.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import ConfigError
+
+GIB = 1024**3
+MIB = 1024**2
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+# NF4/FP4 weights: 4 bits + one absmax per 64 weights (fp32, or ~8 bits with double quantisation).
+QUANT_BYTES_PER_PARAM = {True: 0.5 + 1.0 / 64, False: 0.5 + 4.0 / 64}
+# Kept free for the CUDA context, allocator slack and fragmentation.
+RESERVE_BYTES = 512 * MIB
+
+
+def parse_bytes(text: str) -> int:
+    """'6GiB', '6GB', '512MiB', '1.5G', '123' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"not a size: {text!r} (use e.g. 6GiB, 512MiB)")
+    number, unit, suffix = float(match.group(1)), match.group(2).upper(), (match.group(3) or "")
+    base = 1024 if suffix.lower() == "ib" or (unit and not suffix) else 1000
+    return int(number * base ** "_KMGT".index(unit or "_")) if unit else int(number)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    params: int
+    linear_params: int
+
+    @classmethod
+    def from_config_file(cls, path: Path) -> ModelShape:
+        cfg = json.loads((path / "config.json").read_text())
+        return cls.from_dict(cfg.get("text_config", cfg))
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> ModelShape:
+        hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        head_dim = cfg.get("head_dim") or hidden // heads
+        inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
+        attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+        linear = layers * (attn + 3 * hidden * inter)
+        embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings", False) else 2)
+        return cls(
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate=inter,
+            vocab=vocab,
+            params=linear + embed,
+            linear_params=linear,
+        )
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def weight_bytes(self, *, quantized: bool, double_quant: bool, dtype_bytes: int = 2) -> int:
+        """Estimated resident weight bytes: linears in 4 bit when quantised, embeddings in the compute dtype."""
+        if not quantized:
+            return self.params * dtype_bytes
+        linear = self.linear_params * QUANT_BYTES_PER_PARAM[double_quant]
+        return int(linear + (self.params - self.linear_params) * dtype_bytes)
+
+    def prefill_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """Transient activations per prompt token during prefill (MLP gate/up/act dominate)."""
+        return (3 * self.intermediate + 6 * self.hidden) * dtype_bytes
+
+    def decode_bytes_per_row(self) -> int:
+        """Per-row decode overhead: fp32 logits and their log-softmax, over the vocabulary."""
+        return 3 * self.vocab * 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchPlan:
+    max_rows: int
+    kv_bytes_per_token: int
+    bytes_per_row: int
+    free_bytes: int
+
+
+def plan_batch(
+    shape: ModelShape,
+    *,
+    budget_bytes: int,
+    resident_bytes: int,
+    input_tokens: int,
+    new_tokens: int,
+    dtype_bytes: int = 2,
+    max_rows_cap: int = 512,
+) -> BatchPlan:
+    """The largest number of rows of `input_tokens + new_tokens` that fits in what the budget leaves."""
+    free = budget_bytes - resident_bytes - RESERVE_BYTES
+    kv = shape.kv_bytes_per_token(dtype_bytes)
+    per_row = (input_tokens + new_tokens) * kv + input_tokens * shape.prefill_bytes_per_token(dtype_bytes)
+    per_row += shape.decode_bytes_per_row()
+    rows = max(0, min(max_rows_cap, free // per_row)) if free > 0 else 0
+    return BatchPlan(max_rows=int(rows), kv_bytes_per_token=kv, bytes_per_row=int(per_row), free_bytes=int(free))
