@@ -30,4 +30,5 @@ class OrjsonSerializer:
             raise PayloadError(f"payload is not valid JSON: {exc}") from exc
 
 
-serializer = OrjsonSerializer()
+# RQ wants the class itself (it records its dotted name); the methods are static.
+serializer = OrjsonSerializer

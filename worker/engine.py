@@ -27,7 +27,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from shared.errors import INPUT_TOO_LONG, INTERNAL, NON_FINITE_LOGITS, OUT_OF_MEMORY, JobFailure
 from shared.job import Job
 from shared.result import ErrorInfo
-from worker.config import ModelsConfig, ModelSpec
+from worker.config import EscalationRule, ModelsConfig, ModelSpec
 from worker.loading import LoadedBase, load_all
 from worker.memory import DTYPE_BYTES, BatchPlan, plan_batch
 from worker.templates import render
@@ -109,6 +109,17 @@ class Engine:
             dtype_bytes=DTYPE_BYTES[base.spec.compute_dtype],
             max_rows_cap=self.max_batch_rows,
         )
+
+    def max_rows(self, model: str) -> int:
+        """Rows per batch for this model: the memory plan, at least 1, at most max_batch_rows."""
+        return max(1, self.plan(model).max_rows)
+
+    def escalation_rule(self, model: str) -> EscalationRule | None:
+        return self.config.models[model].escalation
+
+    def shares_base(self, a: str, b: str) -> bool:
+        """Whether two models can share one (mixed) batch: the same resident base."""
+        return self.config.models[a].base == self.config.models[b].base
 
     def peak_memory_bytes(self) -> int:
         """Peak GPU memory allocated (CUDA), else the process's peak resident set size."""

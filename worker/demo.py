@@ -1,0 +1,120 @@
+"""`kevlaya demo`: the main job end to end on embedded defaults.
+
+Redis (the one at $REDIS_URL if it answers, else a private redis-server), the demo models (built once,
+cached under .kevlaya/demo), ~1,000 bundled decisions submitted as one batch, the batch worker draining
+it with a progress bar, a summary, and the results JSONL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import orjson
+from redis import Redis
+from tqdm import tqdm
+
+from producer.client import Client
+from producer.jsonl import parse_lines
+from shared.conn import redis_url as resolve_url
+from worker.batch_worker import BatchWorker, WorkerSettings
+from worker.config import load_config
+from worker.embedded_redis import EmbeddedRedis
+from worker.engine import Engine
+from worker.tinymodel import build_tiny_set
+
+
+DEMO_DATA = Path(__file__).resolve().parent / "data" / "demo_decisions.jsonl"
+
+
+def prepare_models(out: Path) -> Path:
+    """The demo models and a ready config at OUT/models.toml (cached: rebuilt only when missing)."""
+    return build_tiny_set(out.resolve(), quantization="nf4")
+
+
+@contextlib.contextmanager
+def demo_redis(url: str | None) -> Iterator[str]:
+    """The configured Redis if it answers; otherwise a private redis-server for the demo's lifetime."""
+    url = resolve_url(url)
+    if _answers(url):
+        yield url
+        return
+    click.echo(f"no Redis at {url}; starting an embedded redis-server", err=True)
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+def _answers(url: str) -> bool:
+    try:
+        return bool(Redis.from_url(url, socket_connect_timeout=1).ping())
+    except Exception:
+        return False
+
+
+def bundled_lines(items: int) -> list[bytes]:
+    data = DEMO_DATA.read_bytes().splitlines()
+    if items <= len(data):
+        return data[:items]
+    return [data[i % len(data)].replace(b'"loan-', f'"r{i // len(data)}-loan-'.encode()) for i in range(items)]
+
+
+def run_demo(out: Path, *, items: int, redis_url: str | None) -> None:
+    started = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    click.echo("preparing demo models ...", err=True)
+    config_path = prepare_models(out)
+    with demo_redis(redis_url) as url:
+        redis = Redis.from_url(url)
+        engine = Engine(load_config(config_path))
+        client = Client(redis=redis)
+        handle = client.submit_batch(parse_lines(bundled_lines(items)))
+        click.echo(f"submitted {handle.enqueued} decisions as batch {handle.id}", err=True)
+        worker = BatchWorker(redis, engine, WorkerSettings(burst=False, name=f"demo-{handle.id}"))
+        thread = threading.Thread(target=worker.work, daemon=True)
+        t0 = time.time()
+        thread.start()
+        with tqdm(total=handle.enqueued, desc="decisions", unit="item", file=sys.stderr) as bar:
+            record = client.wait(handle.id, poll_s=0.25, on_poll=lambda r: bar.update(r.counts.done - bar.n))
+        elapsed = time.time() - t0
+        worker.request_stop()
+        thread.join(timeout=60)
+        results_path = out / "results.jsonl"
+        with results_path.open("wb") as fh:
+            for row in client.iter_results(handle.id):
+                fh.write(orjson.dumps(row) + b"\n")
+    _summary(record, worker, elapsed, time.time() - started, results_path, config_path)
+
+
+def _summary(record, worker: BatchWorker, elapsed: float, total: float, results: Path, config: Path) -> None:
+    s, c = worker.stats, record.counts
+    rows = [
+        ("decisions", f"{c.total} ({c.finished} answered, {c.failed} failed)"),
+        ("drain time", f"{elapsed:.1f} s ({c.total / max(elapsed, 1e-9):.1f} decisions/s)"),
+        ("batches", f"{s.batches} (sizes: {dict(sorted(s.batch_sizes.items()))})"),
+        ("model switches", str(s.switches)),
+        ("escalations", f"{c.escalated} Laya answers escalated to Kev"),
+        (
+            "generated tokens",
+            f"{s.generated_tokens} ({s.generated_tokens / max(s.engine_s, 1e-9):.0f} tok/s in engine)",
+        ),
+        (
+            "peak memory",
+            f"{s.peak_memory_bytes / 2**20:.0f} MiB ({_memory_kind(worker)})",
+        ),
+        ("results", str(results)),
+        ("config", f"{config} (kevlaya worker --config {config})"),
+        ("total", f"{total:.1f} s"),
+    ]
+    click.echo("\nkevlaya demo summary")
+    for key, value in rows:
+        click.echo(f"  {key:<17} {value}")
+
+
+def _memory_kind(worker: BatchWorker) -> str:
+    device = getattr(worker.engine, "device", None)
+    return "GPU, allocated" if device is not None and device.type == "cuda" else "process peak RSS, CPU"

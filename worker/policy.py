@@ -1,0 +1,29 @@
+"""Which model's queue to drain next: a pure function, table-tested (tests/test_policy.py).
+
+Stay on the current model while it has work, since every switch breaks a batch; switch when its queue is
+empty, or when another queue's oldest job has waited longer than `max_wait_ms` (no starvation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class QueueState:
+    depth: int
+    oldest_wait_ms: float  # how long the head job has waited (0 when unknown or empty)
+
+
+def choose_model(current: str | None, queues: Mapping[str, QueueState], *, max_wait_ms: float) -> str | None:
+    """The model to serve next, or None when every queue is empty."""
+    waiting = {m: q for m, q in queues.items() if q.depth > 0}
+    if not waiting:
+        return None
+    starving = [m for m, q in waiting.items() if m != current and q.oldest_wait_ms > max_wait_ms]
+    if current in waiting and not starving:
+        return current
+    candidates = starving or list(waiting)
+    # The longest-waiting head first; on a tie, the deeper queue (a bigger batch), then by name.
+    return max(candidates, key=lambda m: (waiting[m].oldest_wait_ms, waiting[m].depth, m))
