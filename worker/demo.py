@@ -28,7 +28,6 @@ from worker.embedded_redis import EmbeddedRedis
 from worker.engine import Engine
 from worker.tinymodel import build_tiny_set
 
-
 DEMO_DATA = Path(__file__).resolve().parent / "data" / "demo_decisions.jsonl"
 
 

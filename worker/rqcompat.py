@@ -251,27 +251,26 @@ class RQBridge:
 
 
 def decode_job(job_id: str, raw: dict[bytes, bytes]) -> RawJob:
-    """Decode one job hash without importing or calling anything it names."""
+    """Decode one job hash without importing or calling anything it names. A refused job keeps whatever
+    payload could be read, so its error can still be written to its batch item."""
     attempts = int(raw.get(ATTEMPTS_FIELD.encode(), b"0") or 0) if raw else 0
     suspect = raw.get(SUSPECT_FIELD.encode()) == b"1" if raw else False
     enqueued = parse_rq_time(raw.get(b"enqueued_at")) if raw else None
+    payload: dict[str, Any] | None = None
     try:
-        payload = _payload(raw)
+        func, payload = _unpack(raw)
+        _check(raw, func, payload)
     except PayloadError as problem:
-        return RawJob(job_id, None, problem, suspect, attempts, enqueued)
+        return RawJob(job_id, payload, problem, suspect, attempts, enqueued)
     return RawJob(job_id, payload, None, suspect, attempts, enqueued)
 
 
-def _payload(raw: dict[bytes, bytes]) -> dict[str, Any]:
+def _unpack(raw: dict[bytes, bytes]) -> tuple[Any, dict[str, Any] | None]:
+    """(function name, payload dict or None) from RQ's `data` field: zlib-compressed JSON."""
     if not raw:
         raise PayloadError("job hash is missing (deleted or expired)")
     if b"data" not in raw:
         raise PayloadError("job hash has no 'data' field")
-    for name in CALLBACK_FIELDS:
-        if raw.get(name.encode()):
-            raise NotAllowedError(
-                f"job sets {name}={raw[name.encode()].decode(errors='replace')!r}; callbacks are refused"
-            )
     data = raw[b"data"]
     # RQ stores data zlib-compressed; an uncompressed one is still JSON-checked below.
     with contextlib.suppress(zlib.error):
@@ -280,9 +279,16 @@ def _payload(raw: dict[bytes, bytes]) -> dict[str, Any]:
     if not isinstance(decoded, list) or len(decoded) != 4:
         raise PayloadError("job data is not [func, instance, args, kwargs]")
     func, instance, args, kwargs = decoded
-    check_allowed(func)
-    if instance is not None or kwargs or not isinstance(args, list) or len(args) != 1:
-        raise PayloadError("job must call the allowlisted function with exactly one payload argument")
-    if not isinstance(args[0], dict):
-        raise PayloadError("job payload must be a JSON object")
-    return args[0]
+    shaped = instance is None and not kwargs and isinstance(args, list) and len(args) == 1
+    return func, args[0] if shaped and isinstance(args[0], dict) else None
+
+
+def _check(raw: dict[bytes, bytes], func: Any, payload: dict[str, Any] | None) -> None:
+    """The function name first: a job naming anything else is refused before its arguments are looked at."""
+    check_allowed(func if isinstance(func, str) else repr(func))
+    for name in CALLBACK_FIELDS:
+        if raw.get(name.encode()):
+            value = raw[name.encode()].decode(errors="replace")
+            raise NotAllowedError(f"job sets {name}={value!r}; callbacks are refused")
+    if payload is None:
+        raise PayloadError("job must call the allowlisted function with exactly one JSON-object argument")

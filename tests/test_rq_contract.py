@@ -1,0 +1,60 @@
+"""The parts of RQ's data model kevlaya relies on (worker/rqcompat.py). If RQ changes them, this fails."""
+
+from __future__ import annotations
+
+import zlib
+
+import orjson
+import rq
+from redis import Redis
+from rq import Queue, Retry
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.worker import SimpleWorker
+
+from shared.serializer import serializer
+from worker.rqcompat import RQBridge, decode_job, parse_rq_time
+
+
+def test_pinned_version() -> None:
+    assert rq.__version__ == "2.12.0"
+
+
+def test_enqueue_many_writes_what_we_decode(redis: Redis) -> None:
+    queue = Queue("kevlaya:laya", connection=redis, serializer=serializer)
+    data = Queue.prepare_data("worker.jobs.run_decision", args=[{"custom_id": "a"}], job_id="j1", retry=Retry(max=3))
+    queue.enqueue_many([data])
+    assert redis.lrange("rq:queue:kevlaya:laya", 0, -1) == [b"j1"]
+    raw = redis.hgetall("rq:job:j1")
+    assert orjson.loads(zlib.decompress(raw[b"data"])) == ["worker.jobs.run_decision", None, [{"custom_id": "a"}], {}]
+    assert parse_rq_time(raw[b"enqueued_at"]) is not None
+    assert int(raw[b"retries_left"]) == 3
+    job = decode_job("j1", raw)
+    assert job.problem is None and job.payload == {"custom_id": "a"}
+
+
+def test_take_registers_in_rqs_started_registry(redis: Redis) -> None:
+    queue = Queue("kevlaya:kev", connection=redis, serializer=serializer)
+    queue.enqueue_many([Queue.prepare_data("worker.jobs.run_decision", args=[{}], job_id=f"j{i}") for i in range(3)])
+    bridge = RQBridge(redis, {"kev": "kevlaya:kev"}, "w1")
+    bridge.begin_batch()
+    assert bridge.take("kev", 2, ttl_s=30) == ["j0", "j1"]
+    registry = StartedJobRegistry(queue=queue)
+    assert registry.key == "rq:wip:kevlaya:kev"
+    assert sorted(registry.get_job_ids(cleanup=False)) == ["j0", "j1"]  # RQ parses our job:execution members
+    assert queue.fetch_job("j0").get_status() == "started"
+    bridge.finish("kev", [("j0", None), ("j1", "internal: boom")], ttl_s=60)
+    assert registry.get_job_ids(cleanup=False) == []
+    assert FinishedJobRegistry(queue=queue).get_job_ids(cleanup=False) == ["j0"]
+    assert FailedJobRegistry(queue=queue).get_job_ids(cleanup=False) == ["j1"]
+    assert queue.fetch_job("j1").get_status() == "failed"
+
+
+def test_worker_registration_keys(redis: Redis) -> None:
+    bridge = RQBridge(redis, {"kev": "kevlaya:kev"}, "w2")
+    worker = bridge.make_rq_worker(10)
+    worker.register_birth()
+    assert bridge.worker_alive("w2")
+    assert [w.name for w in SimpleWorker.all(connection=redis)] == ["w2"]
+    worker.register_death()
+    assert not bridge.worker_alive("w2")
+    assert Queue("kevlaya:kev", connection=redis).intermediate_queue_key == "rq:queue:kevlaya:kev:intermediate"

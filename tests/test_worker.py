@@ -1,0 +1,176 @@
+"""The batch worker against a real Redis with the real engine on tiny models."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from redis import Redis
+from rq import Queue
+
+from producer.client import Client
+from shared.keys import Keys
+from shared.serializer import serializer
+from tests.conftest import tiny_config
+from tests.worker_helpers import assert_each_item_answered_once, drain, spawn_worker, wait_until
+from worker.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models: Path) -> Engine:
+    return Engine(tiny_config(tiny_models, "nf4"), device="cpu", max_batch_rows=64)
+
+
+def mixed(n: int, **extra) -> list[dict]:
+    return [
+        {"custom_id": f"j{i}", "model": "kev" if i % 3 == 0 else "laya", "prompt": f"case {i}", **extra}
+        for i in range(n)
+    ]
+
+
+def test_500_mixed_jobs_each_answered_once_with_few_switches(client: Client, redis: Redis, engine: Engine) -> None:
+    handle = client.submit_batch(mixed(500), escalate=False)
+    stats = drain(redis, engine)
+    rows = assert_each_item_answered_once(client, redis, handle.id, 500)
+    assert all(r.get("error") is None and r["text"] is not None for r in rows)
+    assert stats.jobs == 500
+    # 500 jobs at <= 64 rows: ~8 batches; grouping keeps switches to a handful, not one per job.
+    assert stats.switches <= 3
+    assert stats.batches <= 12
+    assert {r["model"] for r in rows} == {"kev", "laya"}
+    assert client.status(handle.id).counts.finished == 500
+
+
+def test_escalation_chain(client: Client, redis: Redis, engine: Engine) -> None:
+    """Threshold 1.0: every Laya answer escalates; Kev's follow-up is the final answer."""
+    items = [{"custom_id": f"l{i}", "model": "laya", "prompt": f"case {i}", "escalate": 1.0} for i in range(6)]
+    items.append({"custom_id": "off", "model": "laya", "prompt": "case", "escalate": False})
+    handle = client.submit_batch(items)
+    stats = drain(redis, engine)
+    rows = assert_each_item_answered_once(client, redis, handle.id, 7)
+    for row in rows[:6]:
+        assert row["model"] == "kev" and row["final"] is True
+        (laya,) = row["chain"]
+        assert laya["model"] == "laya" and laya["final"] is False
+        assert laya["escalated_to"] == row["job_id"] == row["escalated_from"] + "-kev"
+    assert rows[6]["model"] == "laya" and "chain" not in rows[6]
+    counts = client.status(handle.id).counts
+    assert (counts.escalated, counts.finished) == (6, 7)
+    assert stats.escalations == 6
+
+
+def test_no_escalate_batch(client: Client, redis: Redis, engine: Engine) -> None:
+    handle = client.submit_batch([{"custom_id": "a", "model": "laya", "prompt": "p", "escalate": 1.0}], escalate=False)
+    drain(redis, engine)
+    (row,) = client.iter_results(handle.id)
+    assert row["model"] == "laya" and "chain" not in row
+
+
+def test_planted_os_system_job_never_runs(client: Client, redis: Redis, engine: Engine, tmp_path: Path) -> None:
+    sentinel = tmp_path / "pwned"
+    queue = Queue("kevlaya:laya", connection=redis, serializer=serializer)
+    queue.enqueue("os.system", f"touch {sentinel}", job_id="evil-1")
+    queue.enqueue("builtins.eval", "__import__('os').system('touch " + str(sentinel) + "')", job_id="evil-2")
+    handle = client.submit_batch(mixed(10))
+    drain(redis, engine)
+    assert not sentinel.exists()
+    assert_each_item_answered_once(client, redis, handle.id, 10)
+    failed = queue.failed_job_registry.get_job_ids()
+    assert {"evil-1", "evil-2"} <= set(failed)
+    exc = zlib.decompress(redis.hget("rq:job:evil-1", "exc_info")).decode()
+    assert "not_allowed" in exc and "os.system" in exc
+
+
+def test_malformed_hash_and_callbacks_are_refused(client: Client, redis: Redis, engine: Engine) -> None:
+    queue = Queue("kevlaya:laya", connection=redis, serializer=serializer)
+    redis.hset("rq:job:broken", mapping={"data": b"\x00garbage", "status": "queued"})
+    redis.rpush(queue.key, "broken")
+    redis.rpush(queue.key, "no-hash-at-all")
+    handle = client.submit_batch(mixed(4))
+    redis.hset(f"rq:job:{handle.id}-cb", mapping={"success_callback_name": "os.system"})
+    job_ids = queue.get_job_ids()
+    victim = next(j for j in job_ids if j.startswith(handle.id))
+    redis.hset(f"rq:job:{victim}", "success_callback_name", "os.system")
+    drain(redis, engine)
+    rows = assert_each_item_answered_once(client, redis, handle.id, 4)
+    errors = [r for r in rows if r.get("error")]
+    assert len(errors) == 1 and errors[0]["error"]["type"] == "not_allowed"
+    assert "broken" in queue.failed_job_registry.get_job_ids()
+
+
+def test_cancel_request_seen_by_worker(client: Client, redis: Redis, engine: Engine) -> None:
+    handle = client.submit_batch(mixed(5))
+    redis.hset(Keys().batch(handle.id), "cancel_requested", "1")  # flag set while jobs are still queued
+    drain(redis, engine)
+    counts = client.status(handle.id).counts
+    assert counts.cancelled == 5 and counts.finished == 0
+
+
+def test_kill_9_mid_batch_then_restart_answers_every_item_once(
+    client: Client, redis: Redis, redis_url: str, tiny_models: Path, tmp_path: Path
+) -> None:
+    config = tiny_models / "models-nf4.toml"
+    tiny_config(tiny_models, "nf4")
+    handle = client.submit_batch(mixed(300), escalate=False)
+    log = tmp_path / "worker.log"
+    args = ["--max-batch-rows", "40", "--job-heartbeat-ttl-s", "4"]
+    proc = spawn_worker(redis_url, config, *args, log=log)
+
+    def in_flight() -> bool:
+        return any(redis.zcard(f"rq:wip:kevlaya:{m}") for m in ("kev", "laya"))
+
+    wait_until(lambda: in_flight() and client.status(handle.id).counts.done > 0, 120)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert in_flight(), "the kill should leave a batch registered as running"
+    killed_at = time.monotonic()
+    proc = spawn_worker(redis_url, config, *args, "--burst", log=log)
+    assert proc.wait(timeout=240) == 0
+    recovery_s = time.monotonic() - killed_at
+    assert_each_item_answered_once(client, redis, handle.id, 300)
+    assert client.status(handle.id).counts.finished == 300
+    assert recovery_s < 120
+    print(f"recovery after kill -9: all 300 items final {recovery_s:.1f} s after the kill")
+
+
+def test_sigterm_finishes_the_batch_and_leaves_the_rest_queued(
+    client: Client, redis: Redis, redis_url: str, tiny_models: Path, tmp_path: Path
+) -> None:
+    config = tiny_models / "models-nf4.toml"
+    tiny_config(tiny_models, "nf4")
+    handle = client.submit_batch(mixed(600), escalate=False)
+    proc = spawn_worker(redis_url, config, "--max-batch-rows", "30", log=tmp_path / "w.log")
+    wait_until(lambda: any(redis.zcard(f"rq:wip:kevlaya:{m}") for m in ("kev", "laya")), 120)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    counts = client.status(handle.id).counts
+    assert counts.running == 0
+    assert counts.finished > 0 and counts.queued > 0 and counts.finished + counts.queued == 600
+    assert not any(redis.zcard(f"rq:wip:kevlaya:{m}") for m in ("kev", "laya"))
+
+
+def test_two_workers_on_one_redis_run_every_job_once(
+    client: Client, redis: Redis, redis_url: str, tiny_models: Path, tmp_path: Path
+) -> None:
+    config = tiny_models / "models-nf4.toml"
+    tiny_config(tiny_models, "nf4")
+    handle = client.submit_batch(mixed(400), escalate=False)
+    procs = [
+        spawn_worker(redis_url, config, "--burst", "--max-batch-rows", "25", "--name", f"w{i}", log=tmp_path / "w.log")
+        for i in range(2)
+    ]
+    assert [p.wait(timeout=240) for p in procs] == [0, 0]
+    assert_each_item_answered_once(client, redis, handle.id, 400)
+    ran = [int(redis.hget(Keys().worker_stats(f"w{i}"), "jobs") or 0) for i in range(2)]
+    assert sum(ran) == 400, f"jobs run per worker: {ran}"
+    assert min(ran) > 0, "both workers should have taken work"
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KEVLAYA_FAULT", raising=False)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
