@@ -49,7 +49,7 @@ def test_invalid_config_names_the_problem(tmp_path: Path, text: str, fragment: s
 
 def test_adapter_that_does_not_fit_its_base_is_refused(tiny_models: Path, tmp_path: Path) -> None:
     other = build_base(tmp_path / "wide", shape=TinyShape(hidden=128, intermediate=256))
-    adapter = build_adapter(other, tmp_path / "wide-adapter", name="kev", seed=3)
+    adapter = build_adapter(other, tmp_path / "wide-adapter", name="kev", seed=3)  # shapes differ from the base
     text = f'[base]\npath = "{tiny_models / "base"}"\nquantization = "none"\n[models.kev]\nadapter = "{adapter}"\n'
     with pytest.raises(ConfigError, match="adapter for 'kev' .* does not fit base 'default'"):
         Engine(load_config(write(tmp_path, text)), device="cpu")

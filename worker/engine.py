@@ -72,6 +72,7 @@ class Engine:
         memory_budget_bytes: int | None = None,
         max_batch_rows: int = 256,
         fault_hook: FaultHook | None = None,
+        bases: dict[str, LoadedBase] | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -81,7 +82,8 @@ class Engine:
         if self.device.type == "cuda" and memory_budget_bytes:
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, memory_budget_bytes / total), self.device)
-        self.bases: dict[str, LoadedBase] = load_all(config, self.device)
+        # `bases` lets a caller that loaded the models itself (kevlaya memory, measuring each stage) reuse them.
+        self.bases: dict[str, LoadedBase] = bases if bases is not None else load_all(config, self.device)
         self.resident_bytes = self._resident_bytes()
 
     # ---- facts the worker needs -------------------------------------------------------------

@@ -39,12 +39,21 @@ _CORPUS = [
 
 @dataclass(frozen=True, kw_only=True)
 class TinyShape:
+    """Model shape. `vocab` sizes the tokenizer; `model_vocab` (if set) the embedding, e.g. Qwen's 151936
+    for benchmarks of the real shape (ids past the tokenizer decode to nothing)."""
+
     hidden: int = 64
     layers: int = 2
     heads: int = 4
     kv_heads: int = 2
     intermediate: int = 128
     vocab: int = 512
+    model_vocab: int | None = None
+
+
+# Qwen2.5-1.5B's shape: 28 layers, 12 query heads and 2 KV heads of 128, MLP 8960, vocabulary 151936.
+QWEN25_1_5B = TinyShape(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=512, model_vocab=151936)
+SHAPES = {"tiny": TinyShape(), "qwen2.5-1.5b": QWEN25_1_5B}
 
 
 def build_tokenizer(out: Path, *, vocab: int = 512, corpus: list[str] | None = None) -> PreTrainedTokenizerFast:
@@ -70,13 +79,21 @@ def build_tokenizer(out: Path, *, vocab: int = 512, corpus: list[str] | None = N
     return fast
 
 
-def build_base(out: Path, *, shape: TinyShape = TinyShape(), seed: int = 0, corpus: list[str] | None = None) -> Path:
+def build_base(
+    out: Path,
+    *,
+    shape: TinyShape = TinyShape(),
+    seed: int = 0,
+    corpus: list[str] | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Qwen2ForCausalLM:
     """Tokenizer + a randomly initialised Qwen2 causal LM, saved as a local checkpoint folder."""
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, vocab=shape.vocab, corpus=corpus)
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=shape.model_vocab or len(tokenizer),
         hidden_size=shape.hidden,
         num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads,
@@ -87,17 +104,19 @@ def build_base(out: Path, *, shape: TinyShape = TinyShape(), seed: int = 0, corp
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
+        dtype=dtype,
     )
-    model = Qwen2ForCausalLM(config)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(dtype)
     model.save_pretrained(out)
-    return out
+    return model
 
 
-def build_adapter(base_dir: Path, out: Path, *, name: str, seed: int, scale: float = 0.5) -> Path:
-    """A LoRA adapter with random (non-zero) B, so it visibly changes the base's outputs."""
+def build_adapter(base: Qwen2ForCausalLM, out: Path, *, name: str, seed: int, scale: float = 0.5) -> Path:
+    """A LoRA adapter with random (non-zero) B on all 7 projections, so it visibly changes the outputs.
+    The base is left as it was (the LoRA layers are unloaded again after saving)."""
     rank, alpha = ADAPTER_SHAPES.get(name, (8, 16))
     torch.manual_seed(seed)
-    base = Qwen2ForCausalLM.from_pretrained(base_dir)
     lora = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGET_MODULES, lora_dropout=0.0, task_type="CAUSAL_LM")
     model = get_peft_model(base, lora)
     with torch.no_grad():
@@ -105,18 +124,32 @@ def build_adapter(base_dir: Path, out: Path, *, name: str, seed: int, scale: flo
             if "lora_B" in pname:
                 param.normal_(0.0, scale)
     model.save_pretrained(out)
+    model.unload()
     return out
+
+
+def build_model_set(
+    root: Path,
+    *,
+    shape: TinyShape = TinyShape(),
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    adapter_scale: float = 0.5,
+) -> None:
+    """Base + Kev and Laya adapters under `root` (base/, adapter-kev/, adapter-laya/)."""
+    base = build_base(root / "base", shape=shape, seed=seed, device=device, dtype=dtype)
+    for i, name in enumerate(("kev", "laya")):
+        build_adapter(base, root / f"adapter-{name}", name=name, seed=seed + 1 + i, scale=adapter_scale)
 
 
 def build_tiny_set(root: Path, *, quantization: str = "nf4", seed: int = 0, extra_toml: str = "") -> Path:
     """Base + both adapters + a models.toml under `root`; returns the TOML path. Cached by a marker."""
     toml = root / "models.toml"
     marker = root / ".built.json"
-    want = {"seed": seed, "shape": TinyShape().__dict__, "v": 1}
+    want = {"seed": seed, "shape": TinyShape().__dict__, "v": 2}
     if not (marker.is_file() and json.loads(marker.read_text()) == want):
-        build_base(root / "base", seed=seed)
-        for i, name in enumerate(("kev", "laya")):
-            build_adapter(root / "base", root / f"adapter-{name}", name=name, seed=seed + 1 + i)
+        build_model_set(root, seed=seed)
         marker.write_text(json.dumps(want))
     toml.write_text(tiny_toml(quantization=quantization) + extra_toml)
     return toml

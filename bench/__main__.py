@@ -1,0 +1,19 @@
+"""`python -m bench {engine|nightly|submit} ...`: the project's benchmarks (timings live here, never in tests)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    commands = {"engine": "bench.engine", "nightly": "bench.nightly", "submit": "bench.submit"}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        print(f"usage: python -m bench {{{'|'.join(commands)}}} [--help]", file=sys.stderr)
+        sys.exit(2)
+    module = __import__(commands[sys.argv[1]], fromlist=["main"])
+    sys.argv = [f"bench {sys.argv[1]}", *sys.argv[2:]]
+    module.main()
+
+
+if __name__ == "__main__":
+    main()

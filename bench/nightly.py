@@ -1,0 +1,335 @@
+"""The nightly workload end to end, with the seed's approach side by side, on CPU or GPU.
+
+    python -m bench nightly --device cuda --memory-budget 6GiB          # Qwen2.5-1.5B shape, NF4, random weights
+    python -m bench nightly --device cpu --shape demo --items 400       # the demo models
+
+Parts (each reported in one JSON file, a row in bench/RESULTS.md, and a PNG):
+1. nightly-N: N Laya decisions (prompts ~128-256 tokens, <= 32 new tokens), ~25% escalated to Kev
+   (<= 128 new tokens), submitted as one batch through Redis, drained by the worker, exported;
+2. interactive: single Kev jobs arriving at a fixed rate while a bulk Laya batch runs: p50/p95 latency;
+3. the seed's approach on a sample of the same workload (two separately loaded 4-bit bases, one request at
+   a time, gc.collect() + empty_cache() on every switch), extrapolated to the whole and labelled so;
+4. the queue layer alone: our worker with a no-op engine vs a stock RQ SimpleWorker running no-op jobs;
+5. throughput against batch size (engine only), plotted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import os
+import pstats
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from redis import Redis
+from rq import Queue
+from rq.worker import SimpleWorker
+
+from bench.common import append_results, hardware, model_dir, save_json, sync, write_config
+from bench.noop import NoopEngine
+from producer.client import Client
+from shared.job import Job
+from shared.serializer import serializer
+from worker.batch_worker import BatchWorker, WorkerSettings
+from worker.config import load_config
+from worker.demo import prepare_models
+from worker.embedded_redis import EmbeddedRedis
+from worker.engine import Engine
+from worker.memory import MIB, parse_bytes
+
+WORDS = tuple(
+    "loan income debt ratio history clean late payments amount requested category personal car home business "
+    "employer years stable savings collateral guarantor approve reject review risk score policy limit".split()
+)
+
+
+def workload(n: int, escalation_rate: float, *, seed: int = 1) -> list[dict[str, Any]]:
+    """n Laya jobs; a deterministic `escalation_rate` share carries escalate=1.0 (always escalates: a
+    confidence is < 1), the rest escalate=false, so the rate is controlled whatever the weights."""
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(n):
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(70, 150)))
+        escalate = 1.0 if rng.random() < escalation_rate else False
+        jobs.append({"custom_id": f"n{i:05d}", "model": "laya", "prompt": f"Case {i}: {words}", "escalate": escalate})
+    return jobs
+
+
+def run_worker(redis: Redis, engine: Any, **settings: Any) -> tuple[BatchWorker, threading.Thread]:
+    worker = BatchWorker(redis, engine, WorkerSettings(**settings))
+    thread = threading.Thread(target=worker.work, daemon=True)
+    thread.start()
+    return worker, thread
+
+
+def nightly(redis: Redis, engine: Engine, jobs: list[dict[str, Any]], out_dir: Path, profile: bool) -> dict[str, Any]:
+    client = Client(redis=redis)
+    profiler = cProfile.Profile() if profile else None
+    start = time.perf_counter()
+    handle = client.submit_batch(jobs)
+    submitted = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    worker, thread = run_worker(redis, engine, max_wait_ms=60_000, name="nightly")
+    record = client.wait(handle.id, poll_s=0.05)
+    drained = time.perf_counter()
+    worker.request_stop()
+    thread.join()
+    if profiler:
+        profiler.disable()
+    rows = list(client.iter_results(handle.id))
+    exported = time.perf_counter()
+    with (out_dir / "nightly-results.jsonl").open("w") as fh:
+        for row in rows[:50]:  # a sample, to keep the artefact small
+            fh.write(f"{row}\n")
+    queued = [s["timing"].get("queued_s", 0.0) for r in rows for s in [r, *r.get("chain", [])] if "timing" in s]
+    engine_s = [s["timing"].get("engine_s", 0.0) for r in rows for s in [r, *r.get("chain", [])] if "timing" in s]
+    st = worker.stats
+    out = {
+        "items": len(jobs),
+        "escalated": record.counts.escalated,
+        "failed": record.counts.failed,
+        "end_to_end_s": exported - start,
+        "submit_s": submitted - start,
+        "drain_s": drained - submitted,
+        "export_s": exported - drained,
+        "decisions_per_s": len(jobs) / (exported - start),
+        "generated_tokens": st.generated_tokens,
+        "generated_tokens_per_s": st.generated_tokens / (drained - submitted),
+        "engine_busy_s": st.engine_s,
+        "batches": st.batches,
+        "switches": st.switches,
+        "batch_sizes": dict(st.batch_sizes),
+        "peak_memory_bytes": st.peak_memory_bytes,
+        "job_queued_s_mean": statistics.mean(queued) if queued else None,
+        "job_engine_s_mean": statistics.mean(engine_s) if engine_s else None,
+    }
+    if profiler:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(35)
+        (out_dir / "nightly-profile.txt").write_text(text.getvalue())
+    return out
+
+
+def interactive(redis: Redis, engine: Engine, *, bulk: int, rate_per_s: float, n: int) -> dict[str, Any]:
+    """Single Kev jobs at a fixed rate while a bulk Laya batch drains: latency submit -> final result."""
+    client = Client(redis=redis)
+    client.submit_batch([{**j, "escalate": False} for j in workload(bulk, 0.0, seed=2)])
+    worker, thread = run_worker(redis, engine, max_wait_ms=500, name="interactive")
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        t0 = time.perf_counter()
+        batch, _ = client.submit(
+            {"custom_id": f"live{i}", "model": "kev", "prompt": f"Quick check {i}", "max_new_tokens": 16}
+        )
+        client.wait(batch, poll_s=0.01, timeout_s=600)
+        with lock:
+            latencies.append(time.perf_counter() - t0)
+
+    threads = []
+    for i in range(n):
+        t = threading.Thread(target=one, args=(i,))
+        t.start()
+        threads.append(t)
+        time.sleep(1.0 / rate_per_s)
+    for t in threads:
+        t.join()
+    worker.request_stop()
+    thread.join()
+    latencies.sort()
+    return {
+        "bulk_items": bulk,
+        "rate_per_s": rate_per_s,
+        "n": n,
+        "p50_s": latencies[len(latencies) // 2],
+        "p95_s": latencies[min(len(latencies) - 1, int(len(latencies) * 0.95))],
+        "max_s": latencies[-1],
+    }
+
+
+def seed_approach(config_path: Path, device: str, budget: int | None, jobs: list[dict[str, Any]], sample: int) -> dict:
+    """Two separately loaded 4-bit bases, one request at a time, gc + empty_cache on every switch."""
+    engine = Engine(load_config(config_path), device=device, memory_budget_bytes=budget, max_batch_rows=1)
+    current, switches = None, 0
+    laya_n = kev_n = 0
+    sync(device)
+    start = time.perf_counter()
+    for spec in jobs[:sample]:
+        steps = ["laya", "kev"] if spec["escalate"] else ["laya"]
+        for model in steps:
+            if current is not None and model != current:
+                gc.collect()  # the seed's switch: collect, return cached blocks, clear the KV cache
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+                switches += 1
+            current = model
+            job = Job(custom_id=spec["custom_id"], model=model, prompt=spec["prompt"])
+            engine.run([job])
+            laya_n += model == "laya"
+            kev_n += model == "kev"
+    sync(device)
+    elapsed = time.perf_counter() - start
+    scale = len(jobs) / sample
+    del engine
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {
+        "sample_items": sample,
+        "sample_requests": laya_n + kev_n,
+        "sample_switches": switches,
+        "sample_s": elapsed,
+        "extrapolated_s": elapsed * scale,
+        "extrapolated": True,
+        "decisions_per_s": sample / elapsed,
+    }
+
+
+def queue_layer(redis: Redis, n: int) -> dict[str, Any]:
+    """The same no-op work through our batch worker and through a stock RQ SimpleWorker."""
+    redis.flushdb()
+    client = Client(redis=redis)
+    handle = client.submit_batch([{"custom_id": f"q{i}", "model": "laya", "prompt": "x"} for i in range(n)])
+    start = time.perf_counter()
+    BatchWorker(redis, NoopEngine(), WorkerSettings(burst=True, name="noop")).work()
+    ours = time.perf_counter() - start
+    assert client.status(handle.id).complete
+    queue = Queue("bench-noop", connection=redis, serializer=serializer)
+    queue.enqueue_many([Queue.prepare_data("bench.noop.noop_job", args=[{"i": i}]) for i in range(n)])
+    start = time.perf_counter()
+    SimpleWorker([queue], connection=redis, serializer=serializer).work(burst=True, logging_level="WARNING")
+    stock = time.perf_counter() - start
+    redis.flushdb()
+    return {"jobs": n, "kevlaya_jobs_s": n / ours, "rq_simpleworker_jobs_s": n / stock, "ratio": stock / ours}
+
+
+def batch_sweep(engine: Engine, device: str, sizes: list[int], out_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    jobs = [
+        Job(custom_id=str(j["custom_id"]), model="laya", prompt=j["prompt"]) for j in workload(max(sizes), 0.0, seed=3)
+    ]
+    engine.run(jobs[:2])
+    for size in sizes:
+        sync(device)
+        t0 = time.perf_counter()
+        outs = engine.run(jobs[:size])
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        tokens = sum(o.completion_tokens for o in outs)
+        rows.append({"batch": size, "decisions_s": size / elapsed, "tok_s": tokens / elapsed})
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["batch"] for r in rows], [r["decisions_s"] for r in rows], marker="o")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (rows)")
+        ax.set_ylabel("Laya decisions/s (32 new tokens)")
+        ax.set_title(f"throughput vs batch size ({device})")
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"throughput-vs-batch-{device.split(':')[0]}.png", dpi=100)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m bench nightly", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shape", default=None, help="qwen2.5-1.5b (default on CUDA) or demo (default on CPU)")
+    parser.add_argument("--memory-budget", default="6GiB")
+    parser.add_argument("--items", type=int, default=2000)
+    parser.add_argument("--escalation-rate", type=float, default=0.25)
+    parser.add_argument("--seed-sample", type=int, default=20)
+    parser.add_argument("--interactive-n", type=int, default=20)
+    parser.add_argument("--interactive-rate", type=float, default=2.0)
+    parser.add_argument("--queue-jobs", type=int, default=5000)
+    parser.add_argument("--sweep", default="1,8,32,128,256")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: interactive,seed,queue,sweep")
+    parser.add_argument("--profile", action="store_true", help="cProfile the nightly drain (written beside the JSON)")
+    parser.add_argument("--out", default="bench/out")
+    args = parser.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shape = args.shape or ("qwen2.5-1.5b" if args.device.startswith("cuda") else "demo")
+    budget = parse_bytes(args.memory_budget) if args.device.startswith("cuda") else None
+    root = prepare_models(Path(".kevlaya/demo")).parent if shape == "demo" else model_dir(shape, device=args.device)
+    config_path = write_config(root, device=args.device, name="nightly.toml")
+    seed_config = write_config(root, device=args.device, separate_bases=True, name="seed.toml")
+    report: dict[str, Any] = {"hardware": hardware(args.device, budget), "shape": shape, "items": args.items}
+    jobs = workload(args.items, args.escalation_rate)
+    with EmbeddedRedis() as server:
+        redis = Redis.from_url(server.url)
+        engine = Engine(load_config(config_path), device=args.device, memory_budget_bytes=budget, max_batch_rows=512)
+        report["nightly"] = nightly(redis, engine, jobs, out_dir, args.profile)
+        print("nightly:", report["nightly"], flush=True)
+        if "interactive" not in skip:
+            report["interactive"] = interactive(
+                redis, engine, bulk=max(200, args.items // 2), rate_per_s=args.interactive_rate, n=args.interactive_n
+            )
+            print("interactive:", report["interactive"], flush=True)
+        if "sweep" not in skip:
+            report["sweep"] = batch_sweep(engine, args.device, [int(s) for s in args.sweep.split(",")], out_dir)
+            print("sweep:", report["sweep"], flush=True)
+        if "queue" not in skip:
+            report["queue_layer"] = queue_layer(redis, args.queue_jobs)
+            print("queue layer:", report["queue_layer"], flush=True)
+        del engine
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        if "seed" not in skip:
+            report["seed"] = seed_approach(seed_config, args.device, budget, jobs, args.seed_sample)
+            report["ratio_vs_seed"] = report["seed"]["extrapolated_s"] / report["nightly"]["end_to_end_s"]
+            print("seed:", report["seed"], flush=True)
+    save_json(out_dir, "nightly.json", report)
+    append_results(_row(report, args), out_dir)
+    return report
+
+
+def _row(r: dict[str, Any], args: argparse.Namespace) -> str:
+    n = r["nightly"]
+    model = "Qwen2.5-1.5B shape NF4" if r["shape"] == "qwen2.5-1.5b" else f"{r['shape']} models NF4"
+    parts = [
+        f"{n['end_to_end_s']:.1f} s end to end, {n['decisions_per_s']:.1f} decisions/s, "
+        f"{n['generated_tokens_per_s']:.0f} generated tok/s, {n['escalated']} escalated, {n['batches']} batches, "
+        f"{n['switches']} switches, peak {n['peak_memory_bytes'] / MIB:.0f} MiB"
+    ]
+    if "ratio_vs_seed" in r:
+        parts.append(
+            f"seed approach {r['seed']['extrapolated_s']:.0f} s (extrapolated from {r['seed']['sample_items']} items): "
+            f"**{r['ratio_vs_seed']:.0f}x**"
+        )
+    if "interactive" in r:
+        i = r["interactive"]
+        parts.append(f"interactive p50 {i['p50_s']:.2f} s / p95 {i['p95_s']:.2f} s at {i['rate_per_s']}/s")
+    if "queue_layer" in r:
+        q = r["queue_layer"]
+        parts.append(
+            f"queue layer {q['kevlaya_jobs_s']:.0f} vs RQ SimpleWorker {q['rq_simpleworker_jobs_s']:.0f} jobs/s "
+            f"({q['ratio']:.1f}x)"
+        )
+    cmd = f"python -m bench nightly --device {args.device} --items {args.items}"
+    if args.device.startswith("cuda"):
+        cmd += f" --memory-budget {args.memory_budget}"
+    return f"| nightly-{r['items']} | {r['hardware']} | {model} | {'; '.join(parts)} | `{cmd}` |"
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
