@@ -51,16 +51,22 @@ WORDS = tuple(
 )
 
 
-def workload(n: int, escalation_rate: float, *, seed: int = 1) -> list[dict[str, Any]]:
-    """n Laya jobs; a deterministic `escalation_rate` share carries escalate=1.0 (always escalates: a
-    confidence is < 1), the rest escalate=false, so the rate is controlled whatever the weights."""
+def workload(n: int, escalation_rate: float, *, tokenizer: Any, seed: int = 1) -> list[dict[str, Any]]:
+    """n Laya jobs with prompts of 128-256 tokens (cut with the model's own tokenizer); a deterministic
+    `escalation_rate` share carries escalate=1.0 (always escalates: a confidence is < 1), the rest
+    escalate=false, so the rate is controlled whatever the weights."""
     rng = random.Random(seed)
     jobs = []
     for i in range(n):
-        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(70, 150)))
+        words = " ".join(rng.choice(WORDS) for _ in range(300))
+        ids = tokenizer(f"Case {i}: {words}", add_special_tokens=False).input_ids[: rng.randint(128, 256)]
         escalate = 1.0 if rng.random() < escalation_rate else False
-        jobs.append({"custom_id": f"n{i:05d}", "model": "laya", "prompt": f"Case {i}: {words}", "escalate": escalate})
+        jobs.append({"custom_id": f"n{i:05d}", "model": "laya", "prompt": tokenizer.decode(ids), "escalate": escalate})
     return jobs
+
+
+def tokenizer(engine: Engine) -> Any:
+    return engine.base_for("laya").tokenizer
 
 
 def run_worker(redis: Redis, engine: Any, **settings: Any) -> tuple[BatchWorker, threading.Thread]:
@@ -122,7 +128,7 @@ def nightly(redis: Redis, engine: Engine, jobs: list[dict[str, Any]], out_dir: P
 def interactive(redis: Redis, engine: Engine, *, bulk: int, rate_per_s: float, n: int) -> dict[str, Any]:
     """Single Kev jobs at a fixed rate while a bulk Laya batch drains: latency submit -> final result."""
     client = Client(redis=redis)
-    client.submit_batch([{**j, "escalate": False} for j in workload(bulk, 0.0, seed=2)])
+    client.submit_batch([{**j, "escalate": False} for j in workload(bulk, 0.0, tokenizer=tokenizer(engine), seed=2)])
     worker, thread = run_worker(redis, engine, max_wait_ms=500, name="interactive")
     latencies: list[float] = []
     lock = threading.Lock()
@@ -215,9 +221,8 @@ def queue_layer(redis: Redis, n: int) -> dict[str, Any]:
 
 def batch_sweep(engine: Engine, device: str, sizes: list[int], out_dir: Path) -> list[dict[str, Any]]:
     rows = []
-    jobs = [
-        Job(custom_id=str(j["custom_id"]), model="laya", prompt=j["prompt"]) for j in workload(max(sizes), 0.0, seed=3)
-    ]
+    specs = workload(max(sizes), 0.0, tokenizer=tokenizer(engine), seed=3)
+    jobs = [Job(custom_id=str(j["custom_id"]), model="laya", prompt=j["prompt"]) for j in specs]
     engine.run(jobs[:2])
     for size in sizes:
         sync(device)
@@ -254,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--memory-budget", default="6GiB")
     parser.add_argument("--items", type=int, default=2000)
     parser.add_argument("--escalation-rate", type=float, default=0.25)
-    parser.add_argument("--seed-sample", type=int, default=20)
+    parser.add_argument("--seed-sample", type=int, default=12)
     parser.add_argument("--interactive-n", type=int, default=20)
     parser.add_argument("--interactive-rate", type=float, default=2.0)
     parser.add_argument("--queue-jobs", type=int, default=5000)
@@ -272,10 +277,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config_path = write_config(root, device=args.device, name="nightly.toml")
     seed_config = write_config(root, device=args.device, separate_bases=True, name="seed.toml")
     report: dict[str, Any] = {"hardware": hardware(args.device, budget), "shape": shape, "items": args.items}
-    jobs = workload(args.items, args.escalation_rate)
     with EmbeddedRedis() as server:
         redis = Redis.from_url(server.url)
         engine = Engine(load_config(config_path), device=args.device, memory_budget_bytes=budget, max_batch_rows=512)
+        jobs = workload(args.items, args.escalation_rate, tokenizer=tokenizer(engine))
         report["nightly"] = nightly(redis, engine, jobs, out_dir, args.profile)
         print("nightly:", report["nightly"], flush=True)
         if "interactive" not in skip:

@@ -125,7 +125,8 @@ def test_special_token_text_stays_text(engine: Engine) -> None:
 
 
 def test_non_finite_logits_fail_only_that_row(engine: Engine) -> None:
-    batch = jobs("laya", 4)
+    # Equal-length prompts: the engine sorts rows by length (stably), so batch row 1 stays job 1.
+    batch = [Job(custom_id=str(i), model="laya", prompt=f"case {i}") for i in range(4)]
     lm_head = engine.base_for("laya").model.get_output_embeddings()
 
     def poison(module, args, output):

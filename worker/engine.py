@@ -13,6 +13,7 @@ Confidence (documented in the README):
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import resource
 import time
@@ -34,6 +35,7 @@ from worker.templates import render
 
 log = logging.getLogger("kevlaya.engine")
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch
+TYPICAL_INPUT_TOKENS = 256  # sizes the worker's take; real lengths size the engine's sub-batches
 FaultHook = Callable[[str, int], None]
 
 
@@ -76,6 +78,8 @@ class Engine:
     ) -> None:
         self.config = config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # memory APIs need an index
         self.memory_budget_bytes = memory_budget_bytes
         self.max_batch_rows = max_batch_rows
         self.fault_hook = fault_hook
@@ -97,8 +101,8 @@ class Engine:
             version["adapter"] = base.adapter_fingerprints[model]
         return version
 
-    def plan(self, model: str, *, input_tokens: int | None = None) -> BatchPlan:
-        """How many rows of this model fit the memory budget (worst case: its full input and output limits)."""
+    def plan(self, model: str, *, input_tokens: int | None = None, new_tokens: int | None = None) -> BatchPlan:
+        """How many rows of this model fit the memory budget (default: its full input and output limits)."""
         spec = self.config.models[model]
         base = self.base_for(model)
         budget = self.memory_budget_bytes or (1 << 62)
@@ -107,14 +111,16 @@ class Engine:
             budget_bytes=budget,
             resident_bytes=self.resident_bytes,
             input_tokens=input_tokens or spec.max_input_tokens,
-            new_tokens=spec.max_new_tokens,
+            new_tokens=spec.max_new_tokens if new_tokens is None else new_tokens,
             dtype_bytes=DTYPE_BYTES[base.spec.compute_dtype],
             max_rows_cap=self.max_batch_rows,
         )
 
     def max_rows(self, model: str) -> int:
-        """Rows per batch for this model: the memory plan, at least 1, at most max_batch_rows."""
-        return max(1, self.plan(model).max_rows)
+        """How many jobs the worker takes per batch: the plan for typical prompts. `run` then packs the
+        rows by their real lengths into sub-batches that fit, so a batch of long prompts is still safe."""
+        typical = min(self.config.models[model].max_input_tokens, TYPICAL_INPUT_TOKENS)
+        return max(1, self.plan(model, input_tokens=typical).max_rows)
 
     def escalation_rule(self, model: str) -> EscalationRule | None:
         return self.config.models[model].escalation
@@ -144,26 +150,55 @@ class Engine:
             mode = ("choices",) if job.choices else ("generate", job.temperature, job.seed)
             groups[(spec.base, *mode)].append(item)
         for key, items in groups.items():
-            fn = self._score if key[1] == "choices" else self._generate
-            for item, out in zip(items, self._guarded(fn, items), strict=True):
-                outputs[item.index] = out
+            scoring = key[1] == "choices"
+            fn = self._score if scoring else self._generate
+            for chunk in self._pack(items, scoring=scoring):
+                for item, out in zip(chunk, self._guarded(fn, chunk), strict=True):
+                    outputs[item.index] = out
         return [o if o is not None else RowOutput.failed(INTERNAL, "no output produced") for o in outputs]
 
+    def _pack(self, items: list[_Item], *, scoring: bool) -> list[list[_Item]]:
+        """Sub-batches that fit the memory plan at their real lengths. Sorted by length first, so rows of
+        similar length share a batch and little compute is spent on padding."""
+        model = items[0].job.model
+        ordered = sorted(items, key=lambda it: len(it.ids))
+        chunks: list[list[_Item]] = []
+        current: list[_Item] = []
+        for item in ordered:
+            longest = len(item.ids)  # ascending order: the newcomer is the longest in the chunk
+            if scoring:
+                per_item = max(1, len(item.job.choices or ()))
+                rows = self.plan(model, input_tokens=longest + 8, new_tokens=0).max_rows // per_item
+            else:
+                rows = self.plan(
+                    model, input_tokens=longest, new_tokens=max(it.max_new for it in [*current, item])
+                ).max_rows
+            if current and len(current) + 1 > max(1, rows):
+                chunks.append(current)
+                current = []
+            current.append(item)
+        if current:
+            chunks.append(current)
+        return chunks
+
     def _guarded(self, fn: Callable[[list[_Item]], list[RowOutput]], items: list[_Item]) -> list[RowOutput]:
-        """Out of memory splits the batch in halves and retries; only a row that fails alone is an error."""
+        """Out of memory splits the batch in halves and retries; only a row that fails alone is an error.
+        The retry happens after the `except` block: inside it, the traceback would keep the failed
+        attempt's activations alive and the halves would run out of memory too."""
         try:
             return fn(items)
         except torch.OutOfMemoryError:
-            self._release_memory()
-            if len(items) == 1:
-                item = items[0]
-                return [RowOutput.failed(OUT_OF_MEMORY, "does not fit in memory even alone", len(item.ids))]
-            half = len(items) // 2
-            log.warning("out of memory at %d rows; splitting into %d + %d", len(items), half, len(items) - half)
-            return self._guarded(fn, items[:half]) + self._guarded(fn, items[half:])
+            pass
+        self._release_memory()
+        if len(items) == 1:
+            return [RowOutput.failed(OUT_OF_MEMORY, "does not fit in memory even alone", len(items[0].ids))]
+        half = len(items) // 2
+        log.warning("out of memory at %d rows; splitting into %d + %d", len(items), half, len(items) - half)
+        return self._guarded(fn, items[:half]) + self._guarded(fn, items[half:])
 
     def _release_memory(self) -> None:
         if self.device.type == "cuda":
+            gc.collect()
             torch.cuda.empty_cache()
 
     # ---- encoding ---------------------------------------------------------------------------
@@ -277,11 +312,10 @@ class Engine:
             logits = base.model(
                 input_ids=input_ids, attention_mask=mask, position_ids=positions, logits_to_keep=tail + 1, **kwargs
             ).logits
-        logp = logits.float().log_softmax(-1)
         scores = torch.empty(len(seqs), dtype=torch.float64)
         finite = torch.ones(len(items), dtype=torch.bool)
         for k, m in enumerate(lengths):
-            window = logp[k, tail - m : tail]
+            window = logits[k, tail - m : tail].float().log_softmax(-1)  # one sequence at a time: bounded memory
             targets = input_ids[k, -m:]
             picked = window.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
             if not torch.isfinite(picked).all():
@@ -335,7 +369,10 @@ class Engine:
             with base.model.disable_adapter():
                 yield {}
         else:
-            base.model.set_adapter(next(iter(names)))
+            name = next(iter(names))
+            if base.active_adapter != name:
+                base.model.set_adapter(name)  # walks every LoRA layer (ms on a 28-layer model): only on change
+                base.active_adapter = name
             yield {}
 
     def _fault(self, phase: str, rows: int) -> None:

@@ -37,6 +37,7 @@ class LoadedBase:
     fingerprint: str
     adapters: dict[str, str | None] = field(default_factory=dict)  # model name -> adapter name (None = base)
     adapter_fingerprints: dict[str, str] = field(default_factory=dict)
+    active_adapter: str | None = None  # what set_adapter last selected: switching costs ms, so only on change
 
     @property
     def has_peft(self) -> bool:

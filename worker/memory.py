@@ -86,6 +86,11 @@ class ModelShape:
         """Transient activations per prompt token during prefill (MLP gate/up/act dominate)."""
         return (3 * self.intermediate + 6 * self.hidden) * dtype_bytes
 
+    def attention_bytes_per_row(self, input_tokens: int) -> int:
+        """Prefill attention scores when SDPA falls back to the math kernel (a padding mask does that):
+        heads x T x T in the compute dtype plus a float32 softmax. Quadratic: long prompts dominate."""
+        return self.heads * input_tokens * input_tokens * 6
+
     def decode_bytes_per_row(self) -> int:
         """Per-row decode overhead: fp32 logits and their log-softmax, over the vocabulary."""
         return 3 * self.vocab * 4
@@ -113,6 +118,6 @@ def plan_batch(
     free = budget_bytes - resident_bytes - RESERVE_BYTES
     kv = shape.kv_bytes_per_token(dtype_bytes)
     per_row = (input_tokens + new_tokens) * kv + input_tokens * shape.prefill_bytes_per_token(dtype_bytes)
-    per_row += shape.decode_bytes_per_row()
+    per_row += shape.attention_bytes_per_row(input_tokens) + shape.decode_bytes_per_row()
     rows = max(0, min(max_rows_cap, free // per_row)) if free > 0 else 0
     return BatchPlan(max_rows=int(rows), kv_bytes_per_token=kv, bytes_per_row=int(per_row), free_bytes=int(free))
