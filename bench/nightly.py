@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         jobs = workload(args.items, args.escalation_rate, tokenizer=tokenizer(engine))
         report["nightly"] = nightly(redis, engine, jobs, out_dir, args.profile)
         print("nightly:", report["nightly"], flush=True)
+        save_json(out_dir, "nightly.json", report)  # early: later parts may run out of time
         if "interactive" not in skip:
             report["interactive"] = interactive(
                 redis, engine, bulk=max(200, args.items // 2), rate_per_s=args.interactive_rate, n=args.interactive_n
