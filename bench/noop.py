@@ -13,7 +13,7 @@ from worker.engine import RowOutput
 class NoopEngine:
     """Answers every job at once; everything else about the worker (Redis, bookkeeping) is real."""
 
-    def run(self, jobs: Sequence[Job]) -> list[RowOutput]:
+    def run(self, jobs: Sequence[Job], *, time_limit_s: float | None = None) -> list[RowOutput]:
         return [RowOutput(text="ok", decision="ok", confidence=1.0, prompt_tokens=1, completion_tokens=1) for _ in jobs]
 
     def max_rows(self, model: str) -> int:

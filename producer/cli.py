@@ -24,6 +24,8 @@ _LAZY_COMMANDS = {
     "memory": "worker.cli:memory_command",
     "demo": "worker.cli:demo_command",
     "demo-models": "worker.cli:demo_models_command",
+    "train": "worker.cli:train_command",
+    "eval": "worker.cli:eval_command",
 }
 
 

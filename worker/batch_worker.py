@@ -36,6 +36,7 @@ from shared.models import ESCALATES_TO, MODEL_NAMES
 from shared.result import ErrorInfo, Result
 from shared.store import DEFAULT_BATCH_TTL_S, batch_flags, record_result
 from worker.escalation import escalation_reason
+from worker.faults import maybe_crash
 from worker.policy import QueueState, choose_model
 from worker.rqcompat import RawJob, RQBridge
 
@@ -45,7 +46,7 @@ log = logging.getLogger("kevlaya.worker")
 class EngineLike(Protocol):
     """What the worker needs from an engine (the real one, or a no-op one for queue benchmarks)."""
 
-    def run(self, jobs: Sequence[Job]) -> list[Any]: ...
+    def run(self, jobs: Sequence[Job], *, time_limit_s: float | None = None) -> list[Any]: ...
     def max_rows(self, model: str) -> int: ...
     def model_version(self, model: str) -> dict[str, str]: ...
     def escalation_rule(self, model: str) -> Any: ...
@@ -65,6 +66,7 @@ class WorkerSettings:
     result_ttl_s: int = DEFAULT_BATCH_TTL_S
     followup_retries: int = 3
     mixed_tails: bool = True
+    batch_time_limit_s: float = 900.0
     name: str | None = None
     prefix: str = DEFAULT_PREFIX
 
@@ -225,6 +227,9 @@ class BatchWorker:
 
     # ---- processing a taken batch -------------------------------------------------------------
     def _process(self, taken: list[_Taken]) -> None:
+        """Refused, already-answered and cancelled jobs are written first; then the normal jobs run as one
+        batch; then at most one *suspect* (its worker died running it) runs alone -- the other suspects go
+        back to the queue untouched, so a poison job can only ever take itself down."""
         started = time.time()
         runnable: list[tuple[_Taken, Job]] = []
         finished: list[tuple[_Taken, Result | None]] = []
@@ -240,14 +245,24 @@ class BatchWorker:
                 finished.append((t, self._failure(t, job, CANCELLED, "batch cancelled before this item ran")))
             else:
                 runnable.append((t, job))
-        outputs = self._run_engine([j for _, j in runnable], [t.raw.suspect for t, _ in runnable])
-        engine_s = time.time() - started
-        results = [
-            (t, self._result(t, job, out, engine_s, len(runnable), flags))
-            for (t, job), out in zip(runnable, outputs, strict=True)
-        ]
-        self._write(finished + results)
-        self._account(taken, runnable, outputs, started, engine_s)
+        suspects = [(t, j) for t, j in runnable if t.raw.suspect]
+        for t, _ in suspects[1:]:
+            self.bridge.give_back(t.model, t.raw.id)
+        groups = [[(t, j) for t, j in runnable if not t.raw.suspect], suspects[:1]]
+        self._write(finished)
+        outputs: list[Any] = []
+        ran: list[tuple[_Taken, Job]] = []
+        for group in (g for g in groups if g):
+            outs = self._run_engine([j for _, j in group])
+            engine_s = time.time() - started
+            results = [
+                (t, self._result(t, job, out, engine_s, len(group), flags))
+                for (t, job), out in zip(group, outs, strict=True)
+            ]
+            self._write(results)  # each group's results are safe before the next group runs
+            outputs += outs
+            ran += group
+        self._account(taken, ran, outputs, started, time.time() - started)
 
     def _decode(self, t: _Taken) -> Job | Result:
         """The job, or an error result for a job that cannot run (hostile, malformed, invalid)."""
@@ -312,28 +327,19 @@ class BatchWorker:
     def _flags(self, batches: set[str]) -> dict[str, tuple[bool, bool]]:
         return {b: batch_flags(self.redis, self.keys, b) for b in batches}
 
-    def _run_engine(self, jobs: list[Job], suspects: list[bool]) -> list[Any]:
-        """The one except boundary per batch. Suspects (their worker died running them) run alone; if the
-        batch raises, each job is retried alone so one poison job cannot sink its batch-mates."""
-        if not jobs:
-            return []
-        outputs: list[Any] = [None] * len(jobs)
-        normal = [i for i, s in enumerate(suspects) if not s]
-        groups = [normal] if normal else []
-        groups += [[i] for i, s in enumerate(suspects) if s]
-        for group in groups:
-            try:
-                outs = self.engine.run([jobs[i] for i in group])
-            except Exception:
-                log.exception("engine failed on a batch of %d; retrying each job alone", len(group))
-                outs = [self._run_alone(jobs[i]) for i in group]
-            for i, out in zip(group, outs, strict=True):
-                outputs[i] = out
-        return outputs
+    def _run_engine(self, jobs: list[Job]) -> list[Any]:
+        """The one except boundary per batch: if the engine raises, each job is retried alone, so one bad
+        job cannot sink its batch-mates (a job that crashes the whole process is handled by recovery)."""
+        try:
+            maybe_crash(jobs)
+            return self.engine.run(jobs, time_limit_s=self.settings.batch_time_limit_s)
+        except Exception:
+            log.exception("engine failed on a batch of %d; retrying each job alone", len(jobs))
+            return [self._run_alone(job) for job in jobs]
 
     def _run_alone(self, job: Job) -> Any:
         try:
-            return self.engine.run([job])[0]
+            return self.engine.run([job], time_limit_s=self.settings.batch_time_limit_s)[0]
         except Exception as exc:
             log.exception("job %s failed alone", job.custom_id)
             return _EngineError(ErrorInfo(type=INTERNAL, message=f"{type(exc).__name__}: {exc}"))

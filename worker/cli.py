@@ -35,6 +35,9 @@ def _setup_logging(level: str) -> None:
 @click.option("--max-batch-rows", default=256, show_default=True, help="Upper bound on rows per batch.")
 @click.option("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available).")
 @click.option("--no-mixed-tails", is_flag=True, help="Never mix Kev and Laya rows in one batch.")
+@click.option(
+    "--batch-time-limit-s", default=900.0, show_default=True, help="Rows still generating then fail with `timeout`."
+)
 @click.option("--name", default=None, help="Worker name (default: host + random suffix).")
 @click.option(
     "--job-heartbeat-ttl-s",
@@ -53,6 +56,7 @@ def worker_command(
     max_batch_rows: int,
     device: str | None,
     no_mixed_tails: bool,
+    batch_time_limit_s: float,
     name: str | None,
     job_heartbeat_ttl_s: float,
     log_level: str,
@@ -74,6 +78,7 @@ def worker_command(
         burst=burst,
         max_wait_ms=max_wait_ms,
         mixed_tails=not no_mixed_tails,
+        batch_time_limit_s=batch_time_limit_s,
         name=name,
         prefix=obj.get("prefix", DEFAULT_PREFIX),
         job_heartbeat_ttl_s=job_heartbeat_ttl_s,
@@ -113,7 +118,118 @@ def demo_command(ctx: click.Context, out: str, items: int) -> None:
 @click.command("demo-models")
 @click.option("--out", default=".kevlaya/demo", show_default=True, type=click.Path(file_okay=False))
 def demo_models_command(out: str) -> None:
-    """Build (or reuse) the demo models and write OUT/models.toml."""
+    """Build (or reuse) the demo models -- a tiny base trained on a synthetic loan-triage task, Kev and Laya
+    adapters trained with `kevlaya train` -- and write OUT/models.toml (plus train/held-out JSONL)."""
     from worker.demo import prepare_models
 
+    _setup_logging("info")
     click.echo(str(prepare_models(Path(out))))
+
+
+@click.command("train")
+@click.argument("which", type=click.Choice(["kev", "laya", "all"]))
+@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False), help="Training JSONL.")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="models.toml (base).")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Adapter folder (all: OUT/kev, OUT/laya).")
+@click.option("--epochs", type=float, default=None, help="Default 3 (the seed's table).")
+@click.option("--lr", type=float, default=None, help="Default: Kev 1e-4, Laya 2e-4.")
+@click.option("--rank", type=int, default=None, help="Default: Kev 16, Laya 8 (alpha = 2 x rank).")
+@click.option("--batch-size", type=int, default=None, help="Default 4.")
+@click.option("--grad-accum", type=int, default=None, help="Default 2.")
+@click.option("--max-length", type=int, default=None, help="Default 1024 tokens.")
+@click.option("--overlong", type=click.Choice(["drop", "truncate"]), default=None, help="Default drop.")
+@click.option("--no-rebalance", is_flag=True, help="Keep the category mix as it is.")
+@click.option("--max-steps", type=int, default=None)
+@click.option("--device", default=None)
+def train_command(
+    which: str,
+    data: str,
+    config_path: str,
+    out: str,
+    epochs: float | None,
+    lr: float | None,
+    rank: int | None,
+    batch_size: int | None,
+    grad_accum: int | None,
+    max_length: int | None,
+    overlong: str | None,
+    no_rebalance: bool,
+    max_steps: int | None,
+    device: str | None,
+) -> None:
+    """Train LoRA adapters with the seed's recipe (QLoRA on CUDA, plain LoRA on CPU). JSONL lines need
+    `prompt` (or `input`), a target under `kev`/`laya` (or `target`), and optionally `category`."""
+    from worker.config import load_config
+    from worker.train import train_models
+
+    _setup_logging("info")
+    overrides = {
+        "epochs": epochs,
+        "lr": lr,
+        "rank": rank,
+        "alpha": 2 * rank if rank else None,
+        "batch_size": batch_size,
+        "grad_accum": grad_accum,
+        "max_length": max_length,
+        "overlong": overlong,
+        "rebalance": False if no_rebalance else None,
+        "max_steps": max_steps,
+    }
+    try:
+        config = load_config(config_path, check_paths=False)
+        reports = train_models(config, which, Path(data), Path(out), device=device, **overrides)
+    except KevlayaError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for name, r in reports.items():
+        final = r.losses[-1] if r.losses else float("nan")
+        click.echo(
+            f"{name}: {r.steps} steps in {r.seconds:.0f} s, final loss {final:.4f}, "
+            f"{len(r.skipped_steps)} skipped, {len(r.rollbacks)} rollbacks, {r.overlong_dropped} overlong dropped; "
+            f"categories {r.categories_before} -> {r.categories_after}",
+            err=True,
+        )
+
+
+@click.command("eval")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@click.option(
+    "--data",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Held-out JSONL (default: heldout.jsonl beside the config).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option(
+    "--out", default=None, type=click.Path(file_okay=False), help="Plots go here (default: eval/ beside the config)."
+)
+@click.option("--device", default=None)
+def eval_command(config_path: str, data: str | None, as_json: bool, out: str | None, device: str | None) -> None:
+    """Accuracy of Laya, Kev and the cascade, escalation rate, Laya's calibration (ECE, reliability PNG)
+    and a threshold sweep (PNG), on a held-out split."""
+    import orjson
+
+    from worker.config import load_config
+    from worker.engine import Engine
+    from worker.evaluate import evaluate
+
+    _setup_logging("warning")
+    try:
+        config = load_config(config_path)
+        heldout = Path(data) if data else config.path.parent / "heldout.jsonl"
+        if not heldout.is_file():
+            raise click.ClickException(f"no held-out data at {heldout} (pass --data)")
+        report = evaluate(Engine(config, device=device), heldout, Path(out) if out else config.path.parent / "eval")
+    except KevlayaError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(orjson.dumps(report).decode())
+        return
+    c = report["cascade"]
+    click.echo(f"held-out items      {report['items']}")
+    click.echo(f"Laya alone          {report['laya']['accuracy']:.3f}")
+    click.echo(f"Kev alone           {report['kev']['accuracy']:.3f}")
+    click.echo(
+        f"cascade             {c['accuracy']:.3f} (escalating {c['escalation_rate']:.1%} at threshold {c['threshold']})"
+    )
+    click.echo(f"Laya calibration    ECE {report['calibration']['ece']:.3f}")
+    click.echo(f"plots               {', '.join(report['plots'])}")

@@ -25,13 +25,13 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from shared.errors import INPUT_TOO_LONG, INTERNAL, NON_FINITE_LOGITS, OUT_OF_MEMORY, JobFailure
+from shared.errors import INPUT_TOO_LONG, INTERNAL, NON_FINITE_LOGITS, OUT_OF_MEMORY, TIMEOUT, JobFailure
 from shared.job import Job
 from shared.result import ErrorInfo
 from worker.config import EscalationRule, ModelsConfig, ModelSpec
 from worker.loading import LoadedBase, load_all
 from worker.memory import DTYPE_BYTES, BatchPlan, plan_batch
-from worker.templates import render
+from worker.templates import prompt_pieces
 
 log = logging.getLogger("kevlaya.engine")
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -83,6 +83,7 @@ class Engine:
         self.memory_budget_bytes = memory_budget_bytes
         self.max_batch_rows = max_batch_rows
         self.fault_hook = fault_hook
+        self._deadline: float | None = None
         if self.device.type == "cuda" and memory_budget_bytes:
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, memory_budget_bytes / total), self.device)
@@ -136,8 +137,12 @@ class Engine:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     # ---- the batch contract -----------------------------------------------------------------
-    def run(self, jobs: Sequence[Job]) -> list[RowOutput]:
-        """Answer every job, index-aligned. Choice jobs are scored, the others generated."""
+    def run(self, jobs: Sequence[Job], *, time_limit_s: float | None = None) -> list[RowOutput]:
+        """Answer every job, index-aligned. Choice jobs are scored, the others generated.
+
+        `time_limit_s` bounds the whole call: generation stops at the deadline and the rows it cut short,
+        like the sub-batches not started by then, fail with `timeout`; finished rows keep their answers."""
+        self._deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
         outputs: list[RowOutput | None] = [None] * len(jobs)
         groups: dict[tuple[Any, ...], list[_Item]] = defaultdict(list)
         for index, job in enumerate(jobs):
@@ -153,9 +158,16 @@ class Engine:
             scoring = key[1] == "choices"
             fn = self._score if scoring else self._generate
             for chunk in self._pack(items, scoring=scoring):
-                for item, out in zip(chunk, self._guarded(fn, chunk), strict=True):
+                if self._past_deadline():
+                    results = [RowOutput.failed(TIMEOUT, "the batch's time limit passed before it ran") for _ in chunk]
+                else:
+                    results = self._guarded(fn, chunk)
+                for item, out in zip(chunk, results, strict=True):
                     outputs[item.index] = out
         return [o if o is not None else RowOutput.failed(INTERNAL, "no output produced") for o in outputs]
+
+    def _past_deadline(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
 
     def _pack(self, items: list[_Item], *, scoring: bool) -> list[list[_Item]]:
         """Sub-batches that fit the memory plan at their real lengths. Sorted by length first, so rows of
@@ -205,11 +217,7 @@ class Engine:
     def _encode(self, index: int, job: Job) -> _Item:
         spec = self.config.models[job.model]
         base = self.bases[spec.base]
-        template = spec.followup_template if (job.parent is not None and spec.followup_template) else spec.template
-        pieces: list[tuple[list[int], bool]] = []
-        for seg in render(template, job, system=spec.system):
-            ids = base.tokenizer(seg.text, add_special_tokens=False, split_special_tokens=seg.user).input_ids
-            pieces.append((ids, seg.user))
+        pieces = prompt_pieces(base.tokenizer, spec, job)
         total = sum(len(ids) for ids, _ in pieces)
         if total > spec.max_input_tokens:
             if not job.truncate:
@@ -252,16 +260,25 @@ class Engine:
                 attention_mask=mask,
                 generation_config=gen_config,
                 logits_processor=LogitsProcessorList([recorder]),
-                stopping_criteria=StoppingCriteriaList([_RowLimit(limits, prompt_len)]),
+                stopping_criteria=StoppingCriteriaList([_RowLimit(limits, prompt_len), _Deadline(self._deadline)]),
                 **kwargs,
             )
         generated = out[:, prompt_len:]
         logprobs = recorder.finish(generated)
+        cut_short = self._past_deadline()
         results = []
         for row, item in enumerate(items):
             spec = self.config.models[item.job.model]
-            results.append(self._row_output(base, spec, item, generated[row], logprobs[row], bool(recorder.bad[row])))
+            output = self._row_output(base, spec, item, generated[row], logprobs[row], bool(recorder.bad[row]))
+            if cut_short and output.error is None and not self._finished(base, generated[row], item.max_new):
+                output = RowOutput.failed(TIMEOUT, "generation hit the batch's time limit", len(item.ids))
+            results.append(output)
         return results
+
+    def _finished(self, base: LoadedBase, tokens: torch.Tensor, max_new: int) -> bool:
+        ids = tokens.tolist()
+        stops = set(self._stop_ids(base))
+        return any(t in stops for t in ids[:max_new]) or len(ids) >= max_new
 
     def _row_output(
         self, base: LoadedBase, spec: ModelSpec, item: _Item, tokens: torch.Tensor, logprobs: torch.Tensor, bad: bool
@@ -416,6 +433,17 @@ class _StepRecorder(LogitsProcessor):
         if not self.chosen:
             return torch.zeros((generated.shape[0], 0))
         return torch.stack(self.chosen, dim=1).cpu()
+
+
+class _Deadline(StoppingCriteria):
+    """Stops every row once the batch's time limit has passed (a hung or crawling generation)."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline = deadline
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        done = self.deadline is not None and time.monotonic() >= self.deadline
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
 
 class _RowLimit(StoppingCriteria):

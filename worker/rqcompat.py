@@ -231,6 +231,14 @@ class RQBridge:
             pipe.lpush(self.queues[model].key, job_id)
             pipe.execute()
 
+    def give_back(self, model: str, job_id: str) -> None:
+        """Un-take a job this worker holds: out of the started registry, back to the queue front, no retry used."""
+        with self.redis.pipeline() as pipe:
+            pipe.zrem(self.started[model].key, f"{job_id}:{self.exec_id}")
+            pipe.hset(RQJob.key_for(job_id), "status", "queued")
+            pipe.lpush(self.queues[model].key, job_id)
+            pipe.execute()
+
     def stuck_intermediate(self, model: str, *, older_than_s: float) -> list[str]:
         """Ids left in RQ's intermediate list (by RQ tooling or a stock worker) for longer than older_than_s."""
         queue = self.queues[model]

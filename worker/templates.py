@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from shared.errors import INVALID_JOB, JobFailure
 from shared.job import Job
@@ -64,3 +65,13 @@ def _append(segments: list[Segment], text: str, *, user: bool) -> None:
         segments[-1] = Segment(segments[-1].text + text, user)
     else:
         segments.append(Segment(text, user))
+
+
+def prompt_pieces(tokenizer: Any, spec: Any, job: Job) -> list[tuple[list[int], bool]]:
+    """The model's prompt for a job as (token ids, is_user_text) pieces -- the one path used for both
+    inference and training, so an adapter is trained on exactly the prompts it will serve."""
+    template = spec.followup_template if (job.parent is not None and spec.followup_template) else spec.template
+    return [
+        (tokenizer(seg.text, add_special_tokens=False, split_special_tokens=seg.user).input_ids, seg.user)
+        for seg in render(template, job, system=spec.system)
+    ]

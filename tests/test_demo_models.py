@@ -1,0 +1,32 @@
+"""The demo-model pipeline end to end at a small size: task data, tokenizer, base, both adapters trained
+with `kevlaya train`, a ready models.toml, and `kevlaya eval --json` on the held-out split."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+from click.testing import CliRunner
+
+from producer.cli import cli
+from worker.demo_models import build_demo_models
+
+
+def test_small_demo_models_build_and_evaluate(tmp_path: Path) -> None:
+    toml = build_demo_models(tmp_path / "demo", train_rows=48, heldout_rows=12, pretrain_steps=10)
+    for name in ("kev", "laya"):
+        assert (toml.parent / "adapters" / name / "adapter_model.safetensors").is_file()
+        assert (toml.parent / "adapters" / name / "loss.png").is_file()
+    assert build_demo_models(tmp_path / "demo", train_rows=48, heldout_rows=12, pretrain_steps=10) == toml  # cached
+    result = CliRunner().invoke(
+        cli, ["eval", "--config", str(toml), "--json", "--device", "cpu"], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    report = orjson.loads(result.stdout)
+    assert report["items"] == 12
+    for key in ("laya", "kev", "cascade"):
+        assert 0.0 <= report[key]["accuracy"] <= 1.0
+    assert 0.0 <= report["cascade"]["escalation_rate"] <= 1.0
+    assert report["calibration"]["ece"] >= 0.0
+    assert len(report["sweep"]) == 20
+    assert all(Path(p).is_file() for p in report["plots"])

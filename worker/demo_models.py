@@ -1,0 +1,161 @@
+"""`kevlaya demo-models`: real demo models, built here because nothing can be downloaded.
+
+1. a synthetic loan-triage task (worker.demo_data): train and held-out splits;
+2. a byte-level BPE tokenizer with single-digit number tokens (numbers compare digit by digit);
+3. a tiny Qwen2 base trained briefly on the task's plain text (no chat format: that is the adapters' job);
+4. Kev and Laya adapters trained with `kevlaya train` (worker.train) on the chat-formatted task;
+5. DIR/models.toml. Cached: a marker records what was built, so a second call returns at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+import orjson
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from worker.config import load_config
+from worker.demo_data import training_rows
+from worker.tinymodel import SPECIAL_TOKENS
+from worker.train import train_models
+
+log = logging.getLogger("kevlaya.demo_models")
+VERSION = 5
+TRAIN_ROWS, HELDOUT_ROWS = 2000, 400
+# The seed's learning rates are for a 1.5B model; a ~1M-parameter demo model needs far larger steps.
+DEMO_TRAIN = {"lr": 3e-3, "epochs": 2.0, "batch_size": 8, "grad_accum": 1}
+DEMO_LR = {"kev": 3e-3, "laya": 3e-3}
+
+
+def build_demo_models(
+    out: Path, *, train_rows: int = TRAIN_ROWS, heldout_rows: int = HELDOUT_ROWS, pretrain_steps: int = 400
+) -> Path:
+    out = out.resolve()
+    marker = out / ".demo-models.json"
+    want = {"v": VERSION, "train": train_rows, "heldout": heldout_rows, "pretrain_steps": pretrain_steps}
+    if marker.is_file() and json.loads(marker.read_text()).get("want") == want and (out / "models.toml").is_file():
+        return out / "models.toml"
+    start = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    train, heldout = training_rows(train_rows, seed=11), training_rows(heldout_rows, seed=12)
+    _write_jsonl(out / "train.jsonl", train)
+    _write_jsonl(out / "heldout.jsonl", heldout)
+    tokenizer = _tokenizer(out / "base", train)
+    _pretrain_base(out / "base", tokenizer, train, steps=pretrain_steps)
+    toml = out / "models.toml"
+    toml.write_text(_toml())
+    config = load_config(toml, check_paths=False)
+    reports = train_models(config, "all", out / "train.jsonl", out / "adapters", **DEMO_TRAIN)
+    (out / "models.toml").write_text(_toml(adapters=True))
+    summary = {
+        name: {"steps": r.steps, "final_loss": r.losses[-1] if r.losses else None} for name, r in reports.items()
+    }
+    marker.write_text(json.dumps({"want": want, "seconds": time.time() - start, "adapters": summary}, indent=2))
+    log.info("demo models built in %.0f s: %s", time.time() - start, summary)
+    return toml
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+
+
+def _tokenizer(out: Path, rows: list[dict]) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [r["prompt"] for r in rows] + [r["kev"] for r in rows] + ["You are Kev. You are Laya. 不确定 not sure"]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left"
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out)
+    return fast
+
+
+def _pretrain_base(out: Path, tokenizer: PreTrainedTokenizerFast, rows: list[dict], *, steps: int = 400) -> None:
+    """A small causal LM trained on the task's plain text: the case, then an analysis."""
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    model = Qwen2ForCausalLM(config)
+    # Each text ends with the end-of-answer token, so the base knows it: LoRA cannot train the (tied)
+    # embedding, and an adapter asked to emit a token its base never produced plateaus (measured: Laya's
+    # loss stuck at ~3.3 nats/token, ~12 of them on the end token).
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    texts = [f"{r['prompt']}\n{r['kev']}" for r in rows] + [f"{r['prompt']}\n{r['laya']}" for r in rows[::4]]
+    encoded = [[*tokenizer(t, add_special_tokens=False).input_ids, end] for t in texts]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    rng = random.Random(0)
+    model.train()
+    for step in range(1, steps + 1):
+        batch = rng.sample(encoded, min(16, len(encoded)))
+        width = max(len(b) for b in batch)
+        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        for i, b in enumerate(batch):
+            ids[i, : len(b)] = torch.tensor(b)
+            labels[i, : len(b)] = torch.tensor(b)
+        loss = model(input_ids=ids, labels=labels, attention_mask=(labels != -100).long()).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 100 == 0:
+            log.info("base pretraining step %d loss %.3f", step, float(loss))
+    model.save_pretrained(out)
+
+
+def _toml(*, adapters: bool = False) -> str:
+    kev_adapter = 'adapter = "adapters/kev"\n' if adapters else ""
+    laya_adapter = 'adapter = "adapters/laya"\n' if adapters else ""
+    return f"""# Demo models built by `kevlaya demo-models` (worker/demo_models.py): a tiny Qwen2 base trained on a
+# synthetic loan-triage task, with Kev and Laya LoRA adapters trained by `kevlaya train`.
+[base]
+path = "base"
+quantization = "nf4"
+compute_dtype = "float32"
+
+[models.kev]
+{kev_adapter}max_input_tokens = 512
+max_new_tokens = 96
+# The demo Kev was trained on plain prompts only, so its follow-ups use the same template.
+followup_template = '''<|im_start|>system
+{{system}}<|im_end|>
+<|im_start|>user
+{{prompt}}<|im_end|>
+<|im_start|>assistant
+'''
+
+[models.laya]
+{laya_adapter}max_input_tokens = 512
+max_new_tokens = 8
+
+[models.laya.escalation]
+threshold = 0.7
+"""
