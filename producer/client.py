@@ -227,5 +227,5 @@ class Client:
                     error_type=CANCELLED,
                     message="cancelled before it ran",
                 )
-                cancelled += record_result(self.redis, self.keys, result)
+                cancelled += bool(record_result(self.redis, self.keys, result))
         return cancelled

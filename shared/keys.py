@@ -64,6 +64,10 @@ class Keys:
         """Hash: counters a worker publishes (batches, jobs, switches, peak memory)."""
         return f"{self.prefix}worker:{name}:stats"
 
+    def counter(self, name: str) -> str:
+        """Global counters (e.g. duplicate_final_results: second final answers refused by HSETNX)."""
+        return f"{self.prefix}counter:{name}"
+
     def batch_keys(self, batch: str) -> list[str]:
         return [
             self.batch(batch),

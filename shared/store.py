@@ -19,8 +19,14 @@ _READ_CHUNK = 1000
 
 # Records one result atomically. A final result is kept only if the item has none yet (HSETNX), so a
 # retried or duplicated job can never produce a second final answer; counters move only on that first write.
-# KEYS: results, batch hash, running set, steps. ARGV: custom_id, json, counter, now, job_id, final.
+# An item that is not in the batch's id set (a forged job, or a batch whose keys expired) is refused (-1):
+# nobody can add answers to a batch that were never asked for.
+# KEYS: results, batch hash, running set, steps, id set. ARGV: custom_id, json, counter, now, job_id, final.
 _RECORD_LUA = """
+if redis.call('SISMEMBER', KEYS[5], ARGV[1]) == 0 then
+  redis.call('SREM', KEYS[3], ARGV[5])
+  return -1
+end
 local ttl = redis.call('PTTL', KEYS[2])
 local first = 0
 if ARGV[6] == '1' then
@@ -113,8 +119,9 @@ class BatchRecord:
         }
 
 
-def record_result(redis: Redis, keys: Keys, result: Result, *, counter: str | None = None) -> bool:
-    """Write one job's result. Returns True if it was the item's first result of its kind.
+def record_result(redis: Redis, keys: Keys, result: Result, *, counter: str | None = None) -> bool | None:
+    """Write one job's result. Returns True if it was the item's first result of its kind, False if one
+    existed already, None if the item is not part of the batch (nothing written).
 
     Final results go to the results hash (one per item, ever); a non-final (escalated) Laya result
     goes to the steps hash. `counter` defaults to finished/failed/cancelled from the result itself.
@@ -130,6 +137,7 @@ def record_result(redis: Redis, keys: Keys, result: Result, *, counter: str | No
             keys.batch(result.batch),
             keys.batch_running(result.batch),
             keys.batch_steps(result.batch),
+            keys.batch_item_set(result.batch),
         ],
         args=[
             result.custom_id,
@@ -140,7 +148,7 @@ def record_result(redis: Redis, keys: Keys, result: Result, *, counter: str | No
             "1" if result.final else "0",
         ],
     )
-    return bool(first)
+    return None if first == -1 else bool(first)
 
 
 def _counter_for(result: Result) -> str:

@@ -136,7 +136,9 @@ class BatchWorker:
                 try:
                     if not self._step():
                         break
-                except redis.exceptions.ConnectionError as exc:
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                    # Whatever this batch had not written stays registered as started; its heartbeat now
+                    # lapses, and recovery requeues it once Redis is back. Nothing is lost, nothing doubled.
                     log.warning("redis unavailable (%s); retrying", exc)
                     self._stop.wait(1.0)
         finally:
@@ -397,7 +399,17 @@ class BatchWorker:
             if result is not None and result.escalated_to:
                 self._enqueue_followup(t, result)
             if result is not None and result.batch is not None:
-                record_result(self.redis, self.keys, result)
+                first = record_result(self.redis, self.keys, result)
+                if first is None:
+                    log.warning(
+                        "job %s: %r is not an item of batch %s; result not written",
+                        t.raw.id,
+                        result.custom_id,
+                        result.batch,
+                    )
+                elif not first and result.final:
+                    # A second final answer for an item was refused: counted, so tests and operators see it.
+                    self.redis.incr(self.keys.counter("duplicate_final_results"))
             error = None if result is None or result.error is None else f"{result.error.type}: {result.error.message}"
             by_model.setdefault(t.model, []).append((t.raw.id, error))
         for model, done in by_model.items():

@@ -42,6 +42,7 @@ class EmbeddedRedis:
         self.aof = aof
         self._tmp = None if folder else tempfile.TemporaryDirectory(prefix="kevlaya-redis-")
         self.folder = folder or Path(self._tmp.name)  # type: ignore[union-attr]
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -51,6 +52,7 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 10.0) -> None:
         args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
         args += ["--dir", str(self.folder), "--appendonly", "yes" if self.aof else "no"]
+        args += ["--logfile", str(self.folder / "redis.log")]
         if self.aof:
             args += ["--appendfsync", "always"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -61,7 +63,7 @@ class EmbeddedRedis:
                     return
             except Exception:
                 time.sleep(0.05)
-        raise KevlayaError(f"embedded redis-server did not start on port {self.port}")
+        raise KevlayaError(f"embedded redis-server did not start on port {self.port} (see {self.folder}/redis.log)")
 
     def kill(self) -> None:
         """SIGKILL: what a crash looks like (AOF keeps what was written)."""

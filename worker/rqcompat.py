@@ -236,6 +236,7 @@ class RQBridge:
         with self.redis.pipeline() as pipe:
             pipe.zrem(self.started[model].key, f"{job_id}:{self.exec_id}")
             pipe.hset(RQJob.key_for(job_id), "status", "queued")
+            pipe.hincrby(RQJob.key_for(job_id), ATTEMPTS_FIELD, -1)  # taken, but never attempted
             pipe.lpush(self.queues[model].key, job_id)
             pipe.execute()
 
