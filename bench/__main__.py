@@ -6,7 +6,7 @@ import sys
 
 
 def main() -> None:
-    commands = {"engine": "bench.engine", "nightly": "bench.nightly", "submit": "bench.submit"}
+    commands = {"engine": "bench.engine", "nightly": "bench.nightly", "submit": "bench.submit", "soak": "bench.soak"}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(f"usage: python -m bench {{{'|'.join(commands)}}} [--help]", file=sys.stderr)
         sys.exit(2)
