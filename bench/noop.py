@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shared.job import Job
-from worker.engine import RowOutput
+from worker.outputs import RowOutput
 
 
 class NoopEngine:

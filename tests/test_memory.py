@@ -47,3 +47,19 @@ def test_plan_fits_the_budget_and_shrinks_with_longer_rows() -> None:
     assert short.max_rows * short.bytes_per_row <= short.free_bytes
     none = plan_batch(shape, budget_bytes=1 * GIB, resident_bytes=resident, input_tokens=256, new_tokens=32)
     assert none.max_rows == 0
+
+
+def test_memory_command_prints_the_seed_table_estimated_on_cpu(tiny_models) -> None:
+    from click.testing import CliRunner
+
+    from producer.cli import cli
+    from tests.conftest import tiny_config
+
+    tiny_config(tiny_models, "nf4")
+    result = CliRunner().invoke(cli, ["memory", "--config", str(tiny_models / "models-nf4.toml"), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "estimated, CPU" in out
+    for row in ("after 4-bit load", "after adapters", "~512 tokens", "~1024 tokens", "batch plan under a 6.00 GiB"):
+        assert row in out
+    assert "kev" in out and "laya" in out and "KiB/token" in out

@@ -33,10 +33,11 @@ from shared.errors import (
 from shared.job import Job, Parent
 from shared.keys import DEFAULT_PREFIX, Keys, followup_id
 from shared.models import ESCALATES_TO, MODEL_NAMES
-from shared.result import ErrorInfo, Result
+from shared.result import Result
 from shared.store import DEFAULT_BATCH_TTL_S, batch_flags, record_result
 from worker.escalation import escalation_reason
 from worker.faults import maybe_crash
+from worker.outputs import RowOutput
 from worker.policy import QueueState, choose_model
 from worker.rqcompat import RawJob, RQBridge
 
@@ -344,7 +345,7 @@ class BatchWorker:
             return self.engine.run([job], time_limit_s=self.settings.batch_time_limit_s)[0]
         except Exception as exc:
             log.exception("job %s failed alone", job.custom_id)
-            return _EngineError(ErrorInfo(type=INTERNAL, message=f"{type(exc).__name__}: {exc}"))
+            return RowOutput.failed(INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def _result(
         self,
@@ -516,19 +517,6 @@ class BatchWorker:
     def _summary(self) -> str:
         s = self.stats
         return f"{s.jobs} jobs in {s.batches} batches, {s.switches} switches, {s.escalations} escalations"
-
-
-@dataclass(frozen=True)
-class _EngineError:
-    """Stands in for an engine row output when the engine raised for this job."""
-
-    error: ErrorInfo
-    text: str | None = None
-    decision: str | None = None
-    confidence: float | None = None
-    choices: dict[str, float] | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
 
 
 __all__ = ["BatchWorker", "PayloadError", "WorkerSettings", "WorkerStats"]

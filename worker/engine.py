@@ -27,31 +27,16 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 
 from shared.errors import INPUT_TOO_LONG, INTERNAL, NON_FINITE_LOGITS, OUT_OF_MEMORY, TIMEOUT, JobFailure
 from shared.job import Job
-from shared.result import ErrorInfo
 from worker.config import EscalationRule, ModelsConfig, ModelSpec
 from worker.loading import LoadedBase, load_all
 from worker.memory import DTYPE_BYTES, BatchPlan, plan_batch
+from worker.outputs import RowOutput
 from worker.templates import prompt_pieces
 
 log = logging.getLogger("kevlaya.engine")
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 TYPICAL_INPUT_TOKENS = 256  # sizes the worker's take; real lengths size the engine's sub-batches
 FaultHook = Callable[[str, int], None]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RowOutput:
-    text: str | None = None
-    decision: str | None = None
-    confidence: float | None = None
-    choices: dict[str, float] | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: ErrorInfo | None = None
-
-    @classmethod
-    def failed(cls, error_type: str, message: str, prompt_tokens: int = 0) -> RowOutput:
-        return cls(error=ErrorInfo(type=error_type, message=message), prompt_tokens=prompt_tokens)
 
 
 @dataclass(frozen=True)
