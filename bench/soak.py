@@ -163,10 +163,14 @@ def _chaos(
                 time.sleep(rng.uniform(0.2, 2.0))
                 server.start()
                 restarts += 1
-            pending_fault = pending_fault or now
+            outstanding = done_count(client, batches)
+            if outstanding is None or outstanding < submitted:
+                pending_fault = pending_fault or now  # recovery is measured only while work is waiting
             next_fault = now + rng.uniform(lo, hi)
         sup.tick()
         done = done_count(client, batches)
+        if done is not None and done >= submitted and submitted < args.jobs:
+            pending_fault = None  # idle until the next wave: nothing to recover
         if done is not None and done > last_done:
             if pending_fault is not None:
                 recoveries.append(time.monotonic() - pending_fault)

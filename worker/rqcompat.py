@@ -108,9 +108,9 @@ class RQBridge:
         )
 
     def worker_alive(self, name: str) -> bool:
+        """Its RQ worker key exists (heartbeats keep it from expiring) and records no death."""
         key = f"{SimpleWorker.redis_worker_namespace_prefix}{name}"
-        alive = self.redis.hexists(key, "birth") and not self.redis.hexists(key, "death")
-        return bool(alive)
+        return bool(self.redis.exists(key)) and not self.redis.hexists(key, "death")
 
     # ---- queue facts for the policy -----------------------------------------------------------
     def depth_and_oldest(self) -> dict[str, tuple[int, float | None]]:
@@ -196,8 +196,12 @@ class RQBridge:
         return True
 
     # ---- recovery -----------------------------------------------------------------------------
-    def abandoned(self, model: str) -> list[tuple[str, str]]:
-        """(member, job_id) of started entries whose heartbeat expired or whose worker is gone."""
+    def abandoned(self, model: str, *, in_flight: set[str], others: bool) -> list[tuple[str, str]]:
+        """(member, job_id) of started entries nobody is working on any more:
+        - ours whose heartbeat lapsed and that we are not running (we lost track, e.g. Redis failed mid-write);
+        - another worker's, once that worker is gone (its key expired or records a death), if `others`.
+        A live worker's entries are never taken, even with a lapsed score: after a Redis outage every score
+        may have lapsed while their owners are still running them."""
         entries = self.redis.zrange(self.started[model].key, 0, -1, withscores=True)
         now_s = time.time()
         out, alive = [], {}
@@ -205,9 +209,15 @@ class RQBridge:
             member = member_raw.decode()
             job_id, _, exec_id = member.rpartition(":")
             owner = exec_id.rsplit(".", 1)[0]
+            if owner == self.worker_name:
+                if score < now_s and job_id not in in_flight:
+                    out.append((member, job_id))
+                continue
+            if not others:
+                continue
             if owner not in alive:
-                alive[owner] = owner == self.worker_name or self.worker_alive(owner)
-            if score < now_s or not alive[owner]:
+                alive[owner] = self.worker_alive(owner)
+            if not alive[owner]:
                 out.append((member, job_id))
         return out
 
