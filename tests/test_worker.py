@@ -34,12 +34,14 @@ def mixed(n: int, **extra) -> list[dict]:
 
 def test_500_mixed_jobs_each_answered_once_with_few_switches(client: Client, redis: Redis, engine: Engine) -> None:
     handle = client.submit_batch(mixed(500), escalate=False)
-    stats = drain(redis, engine)
+    # max_wait far above any batch time: switches then depend on queue contents only, not on machine speed
+    # (the anti-starvation switch is table-tested in test_policy.py).
+    stats = drain(redis, engine, max_wait_ms=600_000)
     rows = assert_each_item_answered_once(client, redis, handle.id, 500)
     assert all(r.get("error") is None and r["text"] is not None for r in rows)
     assert stats.jobs == 500
-    # 500 jobs at <= 64 rows: ~8 batches; grouping keeps switches to a handful, not one per job.
-    assert stats.switches <= 3
+    # 500 jobs at <= 64 rows: ~8 batches; grouped by model, one queue is drained, then the other.
+    assert stats.switches <= 1
     assert stats.batches <= 12
     assert {r["model"] for r in rows} == {"kev", "laya"}
     assert client.status(handle.id).counts.finished == 500
