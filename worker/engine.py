@@ -481,14 +481,3 @@ def _truncate(pieces: list[tuple[list[int], bool]], excess: int, spec: ModelSpec
     out = list(pieces)
     out[longest] = (ids[: len(ids) - excess], True)
     return out
-
-
-def engine_stats_line(model: str, rows: int, tokens: int, wait_s: float, run_s: float) -> str:
-    return (
-        f"batch model={model} n={rows} tokens={tokens} wait={wait_s:.2f}s run={run_s:.2f}s "
-        f"tok/s={tokens / max(run_s, 1e-9):.0f}"
-    )
-
-
-def now() -> float:
-    return time.perf_counter()
