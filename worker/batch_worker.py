@@ -130,6 +130,9 @@ class BatchWorker:
         self._install_signals()
         rq_worker = self._wait_for_redis(lambda: self.bridge.make_rq_worker(self.settings.worker_ttl_s))
         self._wait_for_redis(rq_worker.register_birth)
+        # RQ's birth gives the worker key worker_ttl + 60 s; beat once now, so a crash right after start is
+        # noticed within worker_ttl, not a minute later.
+        self._wait_for_redis(lambda: rq_worker.heartbeat(self.settings.worker_ttl_s))
         beat = threading.Thread(target=self._heartbeat_loop, args=(rq_worker,), daemon=True, name="heartbeat")
         beat.start()
         log.info("worker %s started (burst=%s)", self.name, self.settings.burst)

@@ -127,7 +127,7 @@ def _pretrain_base(out: Path, tokenizer: PreTrainedTokenizerFast, rows: list[dic
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if step % 100 == 0:
-            log.info("base pretraining step %d loss %.3f", step, float(loss))
+            log.info("base pretraining step %d loss %.3f", step, loss.item())
     model.save_pretrained(out)
 
 
