@@ -42,6 +42,7 @@ def write_config(
     laya_new: int = 32,
     separate_bases: bool = False,
     name: str = "models.toml",
+    adapters: tuple[str, str] = ("adapter-kev", "adapter-laya"),
 ) -> Path:
     """A models.toml over a model set: one shared base (kevlaya's layout) or two copies (the seed's)."""
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
@@ -53,8 +54,8 @@ def write_config(
         head, kev_base, laya_base = f"[base]\n{base}\n", "", ""
     limits = "max_input_tokens = 1024\nmax_new_tokens = {}\n"
     text = (
-        f'{head}[models.kev]\n{kev_base}adapter = "adapter-kev"\n{limits.format(kev_new)}\n'
-        f'[models.laya]\n{laya_base}adapter = "adapter-laya"\n{limits.format(laya_new)}'
+        f'{head}[models.kev]\n{kev_base}adapter = "{adapters[0]}"\n{limits.format(kev_new)}\n'
+        f'[models.laya]\n{laya_base}adapter = "{adapters[1]}"\n{limits.format(laya_new)}'
     )
     path = root / name
     path.write_text(text)

@@ -274,8 +274,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shape = args.shape or ("qwen2.5-1.5b" if args.device.startswith("cuda") else "demo")
     budget = parse_bytes(args.memory_budget) if args.device.startswith("cuda") else None
     root = prepare_models(Path(".kevlaya/demo")).parent if shape == "demo" else model_dir(shape, device=args.device)
-    config_path = write_config(root, device=args.device, name="nightly.toml")
-    seed_config = write_config(root, device=args.device, separate_bases=True, name="seed.toml")
+    # The trained demo models keep their adapters under adapters/; the benchmark shapes beside the base.
+    adapters = ("adapters/kev", "adapters/laya") if shape == "demo" else ("adapter-kev", "adapter-laya")
+    config_path = write_config(root, device=args.device, name="nightly.toml", adapters=adapters)
+    seed_config = write_config(root, device=args.device, separate_bases=True, name="seed.toml", adapters=adapters)
     report: dict[str, Any] = {"hardware": hardware(args.device, budget), "shape": shape, "items": args.items}
     with EmbeddedRedis() as server:
         redis = Redis.from_url(server.url)
