@@ -264,8 +264,9 @@ class BatchWorker:
         outputs: list[Any] = []
         ran: list[tuple[_Taken, Job]] = []
         for group in (g for g in groups if g):
+            group_started = time.time()
             outs = self._run_engine([j for _, j in group])
-            engine_s = time.time() - started
+            engine_s = time.time() - group_started  # this group's own engine time, not the batch's so far
             results = [
                 (t, self._result(t, job, out, engine_s, len(group), flags))
                 for (t, job), out in zip(group, outs, strict=True)

@@ -251,36 +251,36 @@ class Engine:
         generated = out[:, prompt_len:]
         logprobs = recorder.finish(generated)
         cut_short = self._past_deadline()
-        results = []
-        for row, item in enumerate(items):
-            spec = self.config.models[item.job.model]
-            output = self._row_output(base, spec, item, generated[row], logprobs[row], bool(recorder.bad[row]))
-            if cut_short and output.error is None and not self._finished(base, generated[row], item.max_new):
-                output = RowOutput.failed(TIMEOUT, "generation hit the batch's time limit", len(item.ids))
-            results.append(output)
-        return results
-
-    def _finished(self, base: LoadedBase, tokens: torch.Tensor, max_new: int) -> bool:
-        ids = tokens.tolist()
-        stops = set(self._stop_ids(base))
-        return any(t in stops for t in ids[:max_new]) or len(ids) >= max_new
+        stops = set(stop_ids)
+        return [
+            self._row_output(base, item, generated[row], logprobs[row], bool(recorder.bad[row]), stops, cut_short)
+            for row, item in enumerate(items)
+        ]
 
     def _row_output(
-        self, base: LoadedBase, spec: ModelSpec, item: _Item, tokens: torch.Tensor, logprobs: torch.Tensor, bad: bool
+        self,
+        base: LoadedBase,
+        item: _Item,
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        bad: bool,
+        stops: set[int],
+        cut_short: bool,
     ) -> RowOutput:
         if bad:
             return RowOutput.failed(NON_FINITE_LOGITS, "the model produced NaN/inf logits for this row", len(item.ids))
         all_ids = tokens.tolist()
-        stops = set(self._stop_ids(base))
         stop_at = next((i for i, t in enumerate(all_ids) if t in stops), None)
+        stopped = stop_at is not None and stop_at < item.max_new
+        if cut_short and not stopped and len(all_ids) < item.max_new:
+            # Neither its stop token nor its own limit: the batch's deadline ended this row.
+            return RowOutput.failed(TIMEOUT, "generation hit the batch's time limit", len(item.ids))
         end = min(len(all_ids) if stop_at is None else stop_at, item.max_new)
-        # The stop token is generated too, so it counts as a completion token.
-        used = end + 1 if stop_at is not None and stop_at < item.max_new else end
-        ids = all_ids
-        ids, lps = ids[:end], logprobs[:end]
+        used = end + 1 if stopped else end  # the stop token is generated too, so it counts
+        ids, lps = all_ids[:end], logprobs[:end]
         decode = base.tokenizer.decode
         text = decode(ids, skip_special_tokens=True)
-        decision, start, stop = decision_span(ids, decode, spec.decision_prefix)
+        decision, start, stop = decision_span(ids, decode, self.config.models[item.job.model].decision_prefix)
         span = lps[start:stop] if stop > start else lps[:1]
         confidence = float(torch.exp(span.double().sum())) if span.numel() else None
         return RowOutput(
