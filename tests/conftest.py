@@ -57,3 +57,10 @@ def tiny_config(root: Path, quantization: str = "nf4", **kw: int):
     path = root / f"models-{quantization}.toml"
     path.write_text(tiny_toml(quantization=quantization, **kw))
     return load_config(path)
+
+
+@pytest.fixture
+def nf4_config(tiny_models: Path) -> Path:
+    """Path of a models.toml over the tiny models in NF4, for worker subprocesses."""
+    tiny_config(tiny_models, "nf4")
+    return tiny_models / "models-nf4.toml"

@@ -4,11 +4,9 @@ Every submitted item must end with exactly one final result or one clear error."
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
 import signal
-import subprocess
 import time
 import zlib
 from collections.abc import Iterator
@@ -25,7 +23,7 @@ from producer.client import Client
 from shared.keys import Keys, job_id
 from tests.conftest import tiny_config
 from tests.tcp_proxy import DropProxy
-from tests.worker_helpers import CLI, assert_each_item_answered_once, wait_until
+from tests.worker_helpers import assert_each_item_answered_once, spawn_worker, wait_until
 from worker.batch_worker import BatchWorker, WorkerSettings
 from worker.embedded_redis import EmbeddedRedis
 from worker.engine import Engine
@@ -40,20 +38,8 @@ def server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
         yield srv
 
 
-@pytest.fixture
-def config(tiny_models: Path) -> Path:
-    tiny_config(tiny_models, "nf4")
-    return tiny_models / "models-nf4.toml"
-
-
 def worker(url: str, config: Path, *args: str, env: dict[str, str] | None = None, log: Path | None = None):
-    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen(
-        [*CLI, "--redis-url", url, "worker", "--config", str(config), *FAST, *args],
-        stdout=out,
-        stderr=out,
-        env={**os.environ, **(env or {})},
-    )
+    return spawn_worker(url, config, *FAST, *args, env=env, log=log)
 
 
 def items(n: int, prefix: str = "j") -> list[dict]:
@@ -73,20 +59,20 @@ def no_duplicates(r: Redis) -> None:
     assert int(r.get(Keys().counter("duplicate_final_results")) or 0) == 0
 
 
-def test_worker_killed_20_times_at_random_points(server: EmbeddedRedis, config: Path, tmp_path: Path) -> None:
+def test_worker_killed_20_times_at_random_points(server: EmbeddedRedis, nf4_config: Path, tmp_path: Path) -> None:
     r = Redis.from_url(server.url)
     client = Client(redis=r)
     handle = client.submit_batch(items(400), escalate=False)
     rng = random.Random(7)
     kills = 0
     for _ in range(20):
-        proc = worker(server.url, config, log=tmp_path / "w.log")
+        proc = worker(server.url, nf4_config, log=tmp_path / "w.log")
         time.sleep(rng.uniform(0.5, 4.0))  # during model load, mid-batch, or while finalising
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         kills += 1
     killed_at = time.monotonic()
-    assert worker(server.url, config, "--burst", log=tmp_path / "w.log").wait(timeout=300) == 0
+    assert worker(server.url, nf4_config, "--burst", log=tmp_path / "w.log").wait(timeout=300) == 0
     print(f"20 kills; all items final {time.monotonic() - killed_at:.1f} s after the last one")
     assert kills == 20
     assert_each_item_answered_once(client, r, handle.id, 400)
@@ -94,11 +80,11 @@ def test_worker_killed_20_times_at_random_points(server: EmbeddedRedis, config: 
     no_duplicates(r)
 
 
-def test_redis_killed_and_restarted_mid_batch(server: EmbeddedRedis, config: Path, tmp_path: Path) -> None:
+def test_redis_killed_and_restarted_mid_batch(server: EmbeddedRedis, nf4_config: Path, tmp_path: Path) -> None:
     r = Redis.from_url(server.url)
     client = Client(redis=r)
     handle = client.submit_batch(items(300), escalate=False)
-    proc = worker(server.url, config, log=tmp_path / "w.log")
+    proc = worker(server.url, nf4_config, log=tmp_path / "w.log")
     wait_until(lambda: client.status(handle.id).counts.done >= 25, 120)
     server.kill()  # SIGKILL: what is on disk is what AOF (appendfsync always) wrote
     time.sleep(1.5)
@@ -110,9 +96,9 @@ def test_redis_killed_and_restarted_mid_batch(server: EmbeddedRedis, config: Pat
     no_duplicates(r)
 
 
-def test_redis_down_when_the_worker_starts(tmp_path: Path, config: Path) -> None:
+def test_redis_down_when_the_worker_starts(tmp_path: Path, nf4_config: Path) -> None:
     srv = EmbeddedRedis(aof=True, folder=tmp_path / "redis")
-    proc = worker(srv.url, config, log=tmp_path / "w.log")
+    proc = worker(srv.url, nf4_config, log=tmp_path / "w.log")
     time.sleep(4)  # the worker loads its model, then waits for Redis with backoff
     assert proc.poll() is None
     srv.start()
@@ -128,13 +114,13 @@ def test_redis_down_when_the_worker_starts(tmp_path: Path, config: Path) -> None
         srv.stop()
 
 
-def test_dropped_connections_recover_by_themselves(server: EmbeddedRedis, config: Path, tmp_path: Path) -> None:
+def test_dropped_connections_recover_by_themselves(server: EmbeddedRedis, nf4_config: Path, tmp_path: Path) -> None:
     proxy = DropProxy(server.port)
     url = f"redis://127.0.0.1:{proxy.port}/0"
     r = Redis.from_url(server.url)
     client = Client(redis=r)
     handle = client.submit_batch(items(300), escalate=False)
-    proc = worker(url, config, log=tmp_path / "w.log")
+    proc = worker(url, nf4_config, log=tmp_path / "w.log")
     try:
         wait_until(lambda: client.status(handle.id).counts.done >= 25, 120)
         for _ in range(5):
@@ -152,7 +138,7 @@ def test_dropped_connections_recover_by_themselves(server: EmbeddedRedis, config
 
 
 def test_poison_job_is_dead_lettered_and_its_batch_mates_finish(
-    server: EmbeddedRedis, config: Path, tmp_path: Path
+    server: EmbeddedRedis, nf4_config: Path, tmp_path: Path
 ) -> None:
     r = Redis.from_url(server.url)
     client = Client(redis=r, retries=2)
@@ -162,7 +148,7 @@ def test_poison_job_is_dead_lettered_and_its_batch_mates_finish(
     env = {"KEVLAYA_FAULT": "crash_on_prompt:POISON-PILL"}
     crashes = 0
     for _ in range(8):  # a supervisor restarting the worker, as systemd or compose would
-        code = worker(server.url, config, "--burst", env=env, log=tmp_path / "w.log").wait(timeout=120)
+        code = worker(server.url, nf4_config, "--burst", env=env, log=tmp_path / "w.log").wait(timeout=120)
         if code == 0:
             break
         assert code == CRASH_EXIT_CODE

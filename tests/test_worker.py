@@ -25,6 +25,11 @@ def engine(tiny_models: Path) -> Engine:
     return Engine(tiny_config(tiny_models, "nf4"), device="cpu", max_batch_rows=64)
 
 
+def in_flight(redis: Redis) -> bool:
+    """Jobs registered as running in RQ's started registries."""
+    return any(redis.zcard(f"rq:wip:kevlaya:{m}") for m in ("kev", "laya"))
+
+
 def mixed(n: int, **extra) -> list[dict]:
     return [
         {"custom_id": f"j{i}", "model": "kev" if i % 3 == 0 else "laya", "prompt": f"case {i}", **extra}
@@ -113,23 +118,18 @@ def test_cancel_request_seen_by_worker(client: Client, redis: Redis, engine: Eng
 
 
 def test_kill_9_mid_batch_then_restart_answers_every_item_once(
-    client: Client, redis: Redis, redis_url: str, tiny_models: Path, tmp_path: Path
+    client: Client, redis: Redis, redis_url: str, nf4_config: Path, tmp_path: Path
 ) -> None:
-    config = tiny_models / "models-nf4.toml"
-    tiny_config(tiny_models, "nf4")
     handle = client.submit_batch(mixed(300), escalate=False)
     log = tmp_path / "worker.log"
     args = ["--max-batch-rows", "40", "--job-heartbeat-ttl-s", "4"]
-    proc = spawn_worker(redis_url, config, *args, log=log)
+    proc = spawn_worker(redis_url, nf4_config, *args, log=log)
 
-    def in_flight() -> bool:
-        return any(redis.zcard(f"rq:wip:kevlaya:{m}") for m in ("kev", "laya"))
-
-    wait_until(lambda: in_flight() and client.status(handle.id).counts.done > 0, 120)
+    wait_until(lambda: in_flight(redis) and client.status(handle.id).counts.done > 0, 120)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = time.monotonic()
-    proc = spawn_worker(redis_url, config, *args, "--burst", log=log)
+    proc = spawn_worker(redis_url, nf4_config, *args, "--burst", log=log)
     assert proc.wait(timeout=240) == 0
     recovery_s = time.monotonic() - killed_at
     assert_each_item_answered_once(client, redis, handle.id, 300)
@@ -139,29 +139,27 @@ def test_kill_9_mid_batch_then_restart_answers_every_item_once(
 
 
 def test_sigterm_finishes_the_batch_and_leaves_the_rest_queued(
-    client: Client, redis: Redis, redis_url: str, tiny_models: Path, tmp_path: Path
+    client: Client, redis: Redis, redis_url: str, nf4_config: Path, tmp_path: Path
 ) -> None:
-    config = tiny_models / "models-nf4.toml"
-    tiny_config(tiny_models, "nf4")
     handle = client.submit_batch(mixed(600), escalate=False)
-    proc = spawn_worker(redis_url, config, "--max-batch-rows", "30", log=tmp_path / "w.log")
-    wait_until(lambda: any(redis.zcard(f"rq:wip:kevlaya:{m}") for m in ("kev", "laya")), 120)
+    proc = spawn_worker(redis_url, nf4_config, "--max-batch-rows", "30", log=tmp_path / "w.log")
+    wait_until(lambda: in_flight(redis), 120)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
     counts = client.status(handle.id).counts
     assert counts.running == 0
     assert counts.finished > 0 and counts.queued > 0 and counts.finished + counts.queued == 600
-    assert not any(redis.zcard(f"rq:wip:kevlaya:{m}") for m in ("kev", "laya"))
+    assert not in_flight(redis)
 
 
 def test_two_workers_on_one_redis_run_every_job_once(
-    client: Client, redis: Redis, redis_url: str, tiny_models: Path, tmp_path: Path
+    client: Client, redis: Redis, redis_url: str, nf4_config: Path, tmp_path: Path
 ) -> None:
-    config = tiny_models / "models-nf4.toml"
-    tiny_config(tiny_models, "nf4")
     handle = client.submit_batch(mixed(700), escalate=False)
     procs = [
-        spawn_worker(redis_url, config, "--burst", "--max-batch-rows", "10", "--name", f"w{i}", log=tmp_path / "w.log")
+        spawn_worker(
+            redis_url, nf4_config, "--burst", "--max-batch-rows", "10", "--name", f"w{i}", log=tmp_path / "w.log"
+        )
         for i in range(2)
     ]
     assert [p.wait(timeout=300) for p in procs] == [0, 0]

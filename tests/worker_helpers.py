@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -21,12 +22,16 @@ def drain(redis: Redis, engine, **settings) -> WorkerStats:
     return BatchWorker(redis, engine, WorkerSettings(burst=True, **settings)).work()
 
 
-def spawn_worker(redis_url: str, config: Path, *args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
+def spawn_worker(
+    redis_url: str, config: Path, *args: str, env: dict[str, str] | None = None, log: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """`kevlaya worker` as a subprocess (so it can be killed); `env` adds variables (fault injection)."""
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
     return subprocess.Popen(
         [*CLI, "--redis-url", redis_url, "worker", "--config", str(config), *args],
         stdout=out,
         stderr=out,
+        env={**os.environ, **(env or {})},
     )
 
 
