@@ -23,6 +23,7 @@ import os
 import pstats
 import random
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -165,7 +166,9 @@ def interactive(redis: Redis, engine: Engine, *, bulk: int, rate_per_s: float, n
 
 def seed_approach(config_path: Path, device: str, budget: int | None, jobs: list[dict[str, Any]], sample: int) -> dict:
     """Two separately loaded 4-bit bases, one request at a time, gc + empty_cache on every switch."""
-    engine = Engine(load_config(config_path), device=device, memory_budget_bytes=budget, max_batch_rows=1)
+    engine = Engine(
+        load_config(config_path), device=device, memory_budget_bytes=budget, max_batch_rows=1, decode="eager"
+    )
     current, switches = None, 0
     laya_n = kev_n = 0
     sync(device)
@@ -262,9 +265,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed-sample", type=int, default=12)
     parser.add_argument("--interactive-n", type=int, default=20)
     parser.add_argument("--interactive-rate", type=float, default=2.0)
+    parser.add_argument("--interactive-bulk", type=int, default=None, help="bulk Laya rows behind them (items/2)")
     parser.add_argument("--queue-jobs", type=int, default=5000)
     parser.add_argument("--sweep", default="1,8,32,128,256")
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: interactive,seed,queue,sweep")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: nightly,interactive,seed,queue,sweep")
+    parser.add_argument("--decode", default="auto", choices=["auto", "eager", "static"], help="decode path")
     parser.add_argument("--profile", action="store_true", help="cProfile the nightly drain (written beside the JSON)")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
@@ -281,14 +286,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {"hardware": hardware(args.device, budget), "shape": shape, "items": args.items}
     with EmbeddedRedis() as server:
         redis = Redis.from_url(server.url)
-        engine = Engine(load_config(config_path), device=args.device, memory_budget_bytes=budget, max_batch_rows=512)
+        engine = Engine(
+            load_config(config_path),
+            device=args.device,
+            memory_budget_bytes=budget,
+            max_batch_rows=512,
+            decode=args.decode,
+        )
+        report["decode"] = "static+graphs" if engine.decoders and args.device.startswith("cuda") else args.decode
         jobs = workload(args.items, args.escalation_rate, tokenizer=tokenizer(engine))
-        report["nightly"] = nightly(redis, engine, jobs, out_dir, args.profile)
-        print("nightly:", report["nightly"], flush=True)
-        save_json(out_dir, "nightly.json", report)  # early: later parts may run out of time
+        if "nightly" not in skip:
+            report["nightly"] = nightly(redis, engine, jobs, out_dir, args.profile)
+            print("nightly:", report["nightly"], flush=True)
+            save_json(out_dir, "nightly.json", report)  # early: later parts may run out of time
         if "interactive" not in skip:
+            bulk = args.interactive_bulk or max(200, args.items // 2)
             report["interactive"] = interactive(
-                redis, engine, bulk=max(200, args.items // 2), rate_per_s=args.interactive_rate, n=args.interactive_n
+                redis, engine, bulk=bulk, rate_per_s=args.interactive_rate, n=args.interactive_n
             )
             print("interactive:", report["interactive"], flush=True)
         if "sweep" not in skip:
@@ -303,25 +317,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             torch.cuda.empty_cache()
         if "seed" not in skip:
             report["seed"] = seed_approach(seed_config, args.device, budget, jobs, args.seed_sample)
-            report["ratio_vs_seed"] = report["seed"]["extrapolated_s"] / report["nightly"]["end_to_end_s"]
+            if "nightly" in report:
+                report["ratio_vs_seed"] = report["seed"]["extrapolated_s"] / report["nightly"]["end_to_end_s"]
             print("seed:", report["seed"], flush=True)
     save_json(out_dir, "nightly.json", report)
-    append_results(_row(report, args), out_dir)
+    append_results(_row(report, sys.argv[1:] if argv is None else argv), out_dir)
     return report
 
 
-def _row(r: dict[str, Any], args: argparse.Namespace) -> str:
-    n = r["nightly"]
+def _row(r: dict[str, Any], argv: list[str]) -> str:
     model = "Qwen2.5-1.5B shape NF4" if r["shape"] == "qwen2.5-1.5b" else f"{r['shape']} models NF4"
-    parts = [
-        f"{n['end_to_end_s']:.1f} s end to end, {n['decisions_per_s']:.1f} decisions/s, "
-        f"{n['generated_tokens_per_s']:.0f} generated tok/s, {n['escalated']} escalated, {n['batches']} batches, "
-        f"{n['switches']} switches, peak {n['peak_memory_bytes'] / MIB:.0f} MiB"
-    ]
-    if "ratio_vs_seed" in r:
+    parts = []
+    if "nightly" in r:
+        n = r["nightly"]
         parts.append(
-            f"seed approach {r['seed']['extrapolated_s']:.0f} s (extrapolated from {r['seed']['sample_items']} items): "
-            f"**{r['ratio_vs_seed']:.0f}x**"
+            f"{n['end_to_end_s']:.1f} s end to end, {n['decisions_per_s']:.1f} decisions/s, "
+            f"{n['generated_tokens_per_s']:.0f} generated tok/s, {n['escalated']} escalated, {n['batches']} batches, "
+            f"{n['switches']} switches, peak {n['peak_memory_bytes'] / MIB:.0f} MiB"
+        )
+    if "seed" in r:
+        ratio = f": **{r['ratio_vs_seed']:.0f}x**" if "ratio_vs_seed" in r else ""
+        parts.append(
+            f"seed approach {r['seed']['extrapolated_s']:.0f} s (extrapolated from {r['seed']['sample_items']} items)"
+            f"{ratio}"
         )
     if "interactive" in r:
         i = r["interactive"]
@@ -332,9 +350,11 @@ def _row(r: dict[str, Any], args: argparse.Namespace) -> str:
             f"queue layer {q['kevlaya_jobs_s']:.0f} vs RQ SimpleWorker {q['rq_simpleworker_jobs_s']:.0f} jobs/s "
             f"({q['ratio']:.1f}x)"
         )
-    cmd = f"python -m bench nightly --device {args.device} --items {args.items}"
-    if args.device.startswith("cuda"):
-        cmd += f" --memory-budget {args.memory_budget}"
+    if "sweep" in r:
+        best = max(r["sweep"], key=lambda s: s["decisions_s"])
+        parts.append(f"engine alone peaks at {best['decisions_s']:.1f} decisions/s at batch {best['batch']}")
+    cmd = " ".join(["python -m bench nightly", *argv])
+    model += f", decode {r.get('decode', 'auto')}"
     return f"| nightly-{r['items']} | {r['hardware']} | {model} | {'; '.join(parts)} | `{cmd}` |"
 
 
