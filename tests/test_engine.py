@@ -1,5 +1,6 @@
-"""The engine on tiny real models (NF4 via bitsandbytes on CPU, and unquantised): batching is exact,
-mixed batches equal single-model ones, choices are true distributions, and every guard holds."""
+"""The engine on tiny real models (NF4 via bitsandbytes on CPU, and unquantised; HF generate and the static
+decode loop): batching is exact, mixed batches equal single-model ones, choices are true distributions, and
+every guard holds."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from worker.engine import Engine
 PROMPTS = ["Approve a loan of 12000?", "Income 52000, debt low.", "不确定的情况", "x", "Step 1: check income " * 5]
 
 
-@pytest.fixture(scope="module", params=["nf4", "none"])
+@pytest.fixture(scope="module", params=["nf4", "none", "nf4-static", "none-static"])
 def engine(request: pytest.FixtureRequest, tiny_models: Path) -> Engine:
-    return Engine(tiny_config(tiny_models, request.param), device="cpu")
+    """Every engine test runs on HF generate and on the static decode loop (the fast path's logic, no graphs)."""
+    quantization, _, decode = request.param.partition("-")
+    return Engine(tiny_config(tiny_models, quantization), device="cpu", decode=decode or "eager")
 
 
 def jobs(model: str, n: int = 5, **kw: object) -> list[Job]:

@@ -36,6 +36,14 @@ def _setup_logging(level: str) -> None:
 @click.option("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available).")
 @click.option("--no-mixed-tails", is_flag=True, help="Never mix Kev and Laya rows in one batch.")
 @click.option(
+    "--decode",
+    type=click.Choice(["auto", "eager", "static"]),
+    default="auto",
+    show_default=True,
+    help="auto: CUDA-graph decode loop for greedy rows on a GPU, HF generate otherwise; eager: always HF "
+    "generate (turns the fast path off); static: the static-cache loop wherever supported, even on CPU.",
+)
+@click.option(
     "--batch-time-limit-s", default=900.0, show_default=True, help="Rows still generating then fail with `timeout`."
 )
 @click.option("--name", default=None, help="Worker name (default: host + random suffix).")
@@ -56,6 +64,7 @@ def worker_command(
     max_batch_rows: int,
     device: str | None,
     no_mixed_tails: bool,
+    decode: str,
     batch_time_limit_s: float,
     name: str | None,
     job_heartbeat_ttl_s: float,
@@ -71,7 +80,7 @@ def worker_command(
     try:
         config = load_config(config_path)
         budget = parse_bytes(memory_budget) if memory_budget else None
-        engine = Engine(config, device=device, memory_budget_bytes=budget, max_batch_rows=max_batch_rows)
+        engine = Engine(config, device=device, memory_budget_bytes=budget, max_batch_rows=max_batch_rows, decode=decode)
     except KevlayaError as exc:
         raise click.ClickException(str(exc)) from exc
     settings = WorkerSettings(

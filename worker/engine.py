@@ -19,7 +19,7 @@ import resource
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from shared.errors import INPUT_TOO_LONG, INTERNAL, NON_FINITE_LOGITS, OUT_OF_MEMORY, TIMEOUT, JobFailure
 from shared.job import Job
 from worker.config import EscalationRule, ModelsConfig, ModelSpec
+from worker.fastpath import ROW_BUCKETS, DecodeRow, StaticDecoder, length_bucket, unsupported_reason
 from worker.loading import LoadedBase, load_all
 from worker.memory import DTYPE_BYTES, BatchPlan, plan_batch
 from worker.outputs import RowOutput
@@ -37,6 +38,9 @@ log = logging.getLogger("kevlaya.engine")
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 TYPICAL_INPUT_TOKENS = 256  # sizes the worker's take; real lengths size the engine's sub-batches
 FaultHook = Callable[[str, int], None]
+# auto: the static/CUDA-graph loop for greedy rows on a GPU, HF generate elsewhere; eager: always HF
+# generate; static: the static loop wherever the model supports it (on CPU without graphs: for tests).
+DECODE_MODES = ("auto", "eager", "static")
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,10 @@ class Engine:
         max_batch_rows: int = 256,
         fault_hook: FaultHook | None = None,
         bases: dict[str, LoadedBase] | None = None,
+        decode: str = "auto",
     ) -> None:
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
         self.config = config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:
@@ -72,9 +79,30 @@ class Engine:
         if self.device.type == "cuda" and memory_budget_bytes:
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, memory_budget_bytes / total), self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # the peak we report is this engine's, not a build's
         # `bases` lets a caller that loaded the models itself (kevlaya memory, measuring each stage) reuse them.
         self.bases: dict[str, LoadedBase] = bases if bases is not None else load_all(config, self.device)
         self.resident_bytes = self._resident_bytes()
+        self.decoders: dict[str, StaticDecoder] = {}
+        for name, base in self.bases.items():
+            decoder = self._static_decoder(name, base, decode)
+            if decoder is not None:
+                self.decoders[name] = decoder
+
+    def _static_decoder(self, name: str, base: LoadedBase, decode: str) -> StaticDecoder | None:
+        if decode == "eager":
+            return None
+        if decode == "auto" and self.device.type != "cuda":
+            log.info("decode: HF generate for base %s (the CUDA-graph loop needs a GPU)", name)
+            return None
+        reason = unsupported_reason(base.model)
+        if reason is not None:
+            log.warning("decode: HF generate for base %s, the static loop does not support it: %s", name, reason)
+            return None
+        graphs = self.device.type == "cuda"
+        log.info("decode: static KV cache %s for base %s", "with CUDA graphs" if graphs else "without graphs", name)
+        return StaticDecoder(base.model, self.device, use_graphs=graphs)
 
     # ---- facts the worker needs -------------------------------------------------------------
     def base_for(self, model: str) -> LoadedBase:
@@ -92,15 +120,25 @@ class Engine:
         spec = self.config.models[model]
         base = self.base_for(model)
         budget = self.memory_budget_bytes or (1 << 62)
-        return plan_batch(
+        inputs = input_tokens or spec.max_input_tokens
+        new = spec.max_new_tokens if new_tokens is None else new_tokens
+        decoder = self.decoders.get(spec.base) if new > 0 else None
+        plan = plan_batch(
             base.shape,
             budget_bytes=budget,
             resident_bytes=self.resident_bytes,
-            input_tokens=input_tokens or spec.max_input_tokens,
-            new_tokens=spec.max_new_tokens if new_tokens is None else new_tokens,
+            input_tokens=inputs,
+            new_tokens=new,
             dtype_bytes=DTYPE_BYTES[base.spec.compute_dtype],
             max_rows_cap=self.max_batch_rows,
+            # The static loop prefills in chunks and keeps a cache of whole length buckets.
+            prefill_chunk_tokens=decoder.prefill_tokens if decoder else None,
+            cache_tokens=length_bucket(inputs + new) if decoder else None,
         )
+        if decoder is None or plan.max_rows in ROW_BUCKETS:
+            return plan
+        # Rows are padded up to a bucket: plan the largest bucket that fits, not a size padded past the plan.
+        return replace(plan, max_rows=max((b for b in ROW_BUCKETS if b <= plan.max_rows), default=plan.max_rows))
 
     def max_rows(self, model: str) -> int:
         """How many jobs the worker takes per batch: the plan for typical prompts. `run` then packs the
@@ -194,6 +232,8 @@ class Engine:
         return self._guarded(fn, items[:half]) + self._guarded(fn, items[half:])
 
     def _release_memory(self) -> None:
+        for decoder in self.decoders.values():
+            decoder.release()  # its cache is sized for the batch that failed
         if self.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
@@ -217,8 +257,43 @@ class Engine:
         return _Item(index=index, job=job, ids=ids, max_new=max_new, adapter=base.adapters[job.model])
 
     # ---- generation -------------------------------------------------------------------------
-    @torch.inference_mode()
     def _generate(self, items: list[_Item]) -> list[RowOutput]:
+        spec = self.config.models[items[0].job.model]
+        decoder = self.decoders.get(spec.base)
+        if decoder is not None and items[0].job.temperature == 0:
+            try:
+                return self._generate_static(decoder, items)
+            except torch.OutOfMemoryError:
+                raise  # _guarded splits the batch
+            except RuntimeError:
+                # A capture the device refused (or a kernel the loop cannot run): never lose the batch over it.
+                log.exception("decode: the static loop failed for base %s; HF generate from now on", spec.base)
+                decoder.release()
+                del self.decoders[spec.base]
+        return self._generate_eager(items)
+
+    def _generate_static(self, decoder: StaticDecoder, items: list[_Item]) -> list[RowOutput]:
+        """Greedy rows through the static loop: the same outputs as `_generate_eager`, built the same way."""
+        base = self.base_for(items[0].job.model)
+        stop_ids = self._stop_ids(base)
+        self._fault("generate", len(items))
+        result = decoder.decode(
+            [DecodeRow(ids=it.ids, max_new=it.max_new, adapter=it.adapter) for it in items],
+            stop_ids=stop_ids,
+            pad_id=base.tokenizer.pad_token_id,
+            select=lambda names: self._adapters(base, names),
+            deadline=self._deadline,
+        )
+        stops = set(stop_ids)
+        return [
+            self._row_output(
+                base, item, result.tokens[row], result.logprobs[row], bool(result.bad[row]), stops, result.cut_short
+            )
+            for row, item in enumerate(items)
+        ]
+
+    @torch.inference_mode()
+    def _generate_eager(self, items: list[_Item]) -> list[RowOutput]:
         base = self.base_for(items[0].job.model)
         tok = base.tokenizer
         input_ids, mask = self._left_pad(base, [it.ids for it in items])
@@ -239,7 +314,7 @@ class Engine:
         if job.seed is not None:
             torch.manual_seed(job.seed)
         self._fault("generate", len(items))
-        with self._adapters(base, items) as kwargs:
+        with self._adapters(base, [it.adapter for it in items]) as kwargs:
             out = base.model.generate(
                 input_ids=input_ids,
                 attention_mask=mask,
@@ -309,8 +384,7 @@ class Engine:
         tail = max(lengths)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         self._fault("score", len(items))
-        expanded = [items[o] for o in owners]
-        with self._adapters(base, expanded) as kwargs:
+        with self._adapters(base, [items[o].adapter for o in owners]) as kwargs:
             logits = base.model(
                 input_ids=input_ids, attention_mask=mask, position_ids=positions, logits_to_keep=tail + 1, **kwargs
             ).logits
@@ -360,13 +434,14 @@ class Engine:
         return ids or [tok.eos_token_id]
 
     @contextlib.contextmanager
-    def _adapters(self, base: LoadedBase, items: Sequence[_Item]) -> Iterator[dict[str, Any]]:
-        """Select the adapter(s): one active adapter for a single-model batch, per-row names for a mixed one."""
-        names = {it.adapter for it in items}
+    def _adapters(self, base: LoadedBase, rows: Sequence[str | None]) -> Iterator[dict[str, Any]]:
+        """Select the adapter(s) for rows of these adapter names: one active adapter for a single-model batch,
+        per-row names for a mixed one."""
+        names = set(rows)
         if not base.has_peft:
             yield {}
         elif len(names) > 1:
-            yield {"adapter_names": [it.adapter or BASE_ADAPTER for it in items]}
+            yield {"adapter_names": [name or BASE_ADAPTER for name in rows]}
         elif None in names:
             with base.model.disable_adapter():
                 yield {}

@@ -116,12 +116,26 @@ def plan_batch(
     new_tokens: int,
     dtype_bytes: int = 2,
     max_rows_cap: int = 512,
+    prefill_chunk_tokens: int | None = None,
+    cache_tokens: int | None = None,
 ) -> BatchPlan:
-    """The largest number of rows of `input_tokens + new_tokens` that fits in what the budget leaves."""
+    """The largest number of rows of `input_tokens + new_tokens` that fits in what the budget leaves.
+
+    With `prefill_chunk_tokens` (the static decode loop), prompts are prefilled in chunks of that many tokens:
+    prefill activations are one fixed chunk's, not a per-row cost, and each row keeps `cache_tokens` of KV."""
     free = budget_bytes - resident_bytes - RESERVE_BYTES
     kv = shape.kv_bytes_per_token(dtype_bytes)
-    per_row = (input_tokens + new_tokens) * kv + input_tokens * shape.prefill_bytes_per_token(dtype_bytes)
-    per_row += shape.attention_bytes_per_row(input_tokens) + shape.decode_bytes_per_row()
+    if prefill_chunk_tokens is None:
+        per_row = (input_tokens + new_tokens) * kv + input_tokens * shape.prefill_bytes_per_token(dtype_bytes)
+        per_row += shape.attention_bytes_per_row(input_tokens)
+    else:
+        chunk_rows = max(1, prefill_chunk_tokens // max(1, input_tokens))
+        chunk = prefill_chunk_tokens * (kv + shape.prefill_bytes_per_token(dtype_bytes))
+        chunk += chunk_rows * shape.attention_bytes_per_row(input_tokens)
+        free -= int(chunk * SAFETY_FACTOR)
+        # ...plus the float32 first-token logits the prefill hands to the loop.
+        per_row = (cache_tokens or input_tokens + new_tokens) * kv + shape.vocab * 4
+    per_row += shape.decode_bytes_per_row()
     per_row = int(per_row * SAFETY_FACTOR)
     rows = max(0, min(max_rows_cap, free // per_row)) if free > 0 else 0
     return BatchPlan(max_rows=int(rows), kv_bytes_per_token=kv, bytes_per_row=int(per_row), free_bytes=int(free))

@@ -1,0 +1,218 @@
+"""The static decode loop (the CUDA-graph fast path's logic, run here without graphs) against HF generate:
+token for token on greedy decoding, with ragged prompts, per-row limits, bucket padding, mixed adapters,
+poisoned rows, deadlines; and the engine's fallbacks around it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from shared.errors import NON_FINITE_LOGITS, TIMEOUT
+from shared.job import Job
+from tests.conftest import tiny_config
+from worker.engine import Engine
+from worker.fastpath import ROW_BUCKETS, length_bucket, row_bucket, unsupported_reason
+from worker.memory import GIB, ModelShape, plan_batch
+from worker.tinymodel import QWEN25_1_5B
+
+PROMPTS = ["Approve a loan of 12000?", "Income 52000, debt low.", "不确定的情况", "x", "Step 1: check income " * 7]
+
+
+class Recording(Engine):
+    """Keeps each row's generated token ids, to compare paths token by token."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tokens: dict[str, list[int]] = {}
+
+    def _row_output(self, base: Any, item: Any, tokens: torch.Tensor, *rest: Any) -> Any:
+        out = super()._row_output(base, item, tokens, *rest)
+        self.tokens[item.job.custom_id] = tokens[: out.completion_tokens].tolist()
+        return out
+
+
+@pytest.fixture(scope="module", params=["none", "nf4"])
+def pair(request: pytest.FixtureRequest, tiny_models: Path) -> tuple[Recording, Recording]:
+    config = tiny_config(tiny_models, request.param)
+    eager = Recording(config, device="cpu", decode="eager")
+    return eager, Recording(config, device="cpu", decode="static", bases=eager.bases)
+
+
+def batch(models: str, n: int, **kw: Any) -> list[Job]:
+    return [
+        Job(
+            custom_id=f"{models}{i}",
+            model=("kev", "laya")[i % 2] if models == "mixed" else models,
+            prompt=PROMPTS[i % len(PROMPTS)] + f" case {i}",
+            **kw,
+        )
+        for i in range(n)
+    ]
+
+
+def assert_same(eager: Recording, static: Recording, jobs: list[Job]) -> None:
+    want, got = eager.run(jobs), static.run(jobs)
+    for job, a, b in zip(jobs, want, got, strict=True):
+        assert static.tokens[job.custom_id] == eager.tokens[job.custom_id], job.custom_id
+        assert (b.text, b.decision, b.completion_tokens, b.error) == (a.text, a.decision, a.completion_tokens, a.error)
+        assert b.confidence == pytest.approx(a.confidence, rel=1e-4)
+
+
+@pytest.mark.parametrize("models", ["kev", "laya", "mixed"])
+@pytest.mark.parametrize("n", [1, 5, 17])  # 5 and 17 are padded up to buckets 8 and 24
+def test_token_identical_to_hf_generate(pair: tuple[Recording, Recording], models: str, n: int) -> None:
+    assert_same(*pair, batch(models, n))
+
+
+def test_per_row_limits_and_ragged_prompts(pair: tuple[Recording, Recording]) -> None:
+    jobs = [
+        Job(custom_id=f"r{i}", model="kev", prompt=PROMPTS[i % 5] * (1 + i % 3), max_new_tokens=1 + 5 * i)
+        for i in range(8)
+    ]
+    assert_same(*pair, jobs)
+    _, static = pair
+    assert [len(static.tokens[j.custom_id]) <= j.max_new_tokens for j in jobs] == [True] * 8
+
+
+def test_reused_buckets_stay_exact(pair: tuple[Recording, Recording]) -> None:
+    """A second batch of another size and length reuses (and regrows) the cache: no stale state leaks in."""
+    eager, static = pair
+    assert_same(eager, static, batch("kev", 12))
+    assert_same(eager, static, batch("laya", 3))
+    assert_same(eager, static, batch("mixed", 12))
+    decoder = next(iter(static.decoders.values()))
+    assert len(decoder._graphs) >= 2  # entries per (rows bucket, length bucket, adapters)
+
+
+def test_non_finite_row_fails_alone(pair: tuple[Recording, Recording]) -> None:
+    eager, static = pair
+    jobs = [Job(custom_id=str(i), model="laya", prompt=f"case {i}") for i in range(4)]
+    lm_head = static.base_for("laya").model.get_output_embeddings()
+
+    def poison(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+        output = output.clone()
+        output[1] = float("nan")
+        return output
+
+    handle = lm_head.register_forward_hook(poison)
+    try:
+        outs = static.run(jobs)
+    finally:
+        handle.remove()
+    assert outs[1].error.type == NON_FINITE_LOGITS
+    clean = eager.run(jobs)
+    for i in (0, 2, 3):
+        assert outs[i].error is None and outs[i].text == clean[i].text
+
+
+def test_deadline_fails_rows_it_cut_short(tiny_models: Path) -> None:
+    engine = Engine(tiny_config(tiny_models, "none", kev_new=400), device="cpu", decode="static")
+    jobs = batch("kev", 4)
+    outs = engine.run(jobs, time_limit_s=1e-6)
+    cut = [o for o in outs if o.error is not None]
+    assert cut and all(o.error.type == TIMEOUT for o in cut)
+    for o in outs:
+        if o.error is None:  # finished before the first check: it stopped on its own
+            assert o.completion_tokens < 400
+
+
+def test_sampled_rows_use_hf_generate(pair: tuple[Recording, Recording]) -> None:
+    _, static = pair
+    decoder = next(iter(static.decoders.values()))
+    before = dict(decoder._graphs)
+    outs = static.run([Job(custom_id="s", model="laya", prompt="hello", temperature=0.8, seed=3)])
+    assert outs[0].error is None
+    assert dict(decoder._graphs) == before
+
+
+def test_a_failing_loop_falls_back_to_hf_generate(tiny_models: Path, caplog: pytest.LogCaptureFixture) -> None:
+    config = tiny_config(tiny_models, "none")
+    eager = Engine(config, device="cpu", decode="eager")
+    static = Engine(config, device="cpu", decode="static", bases=eager.bases)
+    decoder = next(iter(static.decoders.values()))
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("capture refused")
+
+    decoder.decode = broken
+    jobs = batch("laya", 3)
+    with caplog.at_level(logging.ERROR, logger="kevlaya.engine"):
+        outs = static.run(jobs)
+    assert [o.text for o in outs] == [o.text for o in eager.run(jobs)]
+    assert static.decoders == {} and "HF generate from now on" in caplog.text
+
+
+def test_out_of_memory_in_the_loop_splits_the_batch(tiny_models: Path) -> None:
+    engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static")
+    decoder = next(iter(engine.decoders.values()))
+    real = decoder.decode
+    sizes: list[int] = []
+
+    def tight(rows: Any, **kwargs: Any) -> Any:
+        sizes.append(len(rows))
+        if len(rows) > 2:
+            raise torch.OutOfMemoryError("simulated")
+        return real(rows, **kwargs)
+
+    decoder.decode = tight
+    outs = engine.run(batch("laya", 4))
+    assert all(o.error is None for o in outs)
+    assert sizes == [4, 2, 2] and engine.decoders  # split, not abandoned
+
+
+def test_auto_uses_hf_generate_on_cpu_and_eager_turns_it_off(tiny_models: Path) -> None:
+    config = tiny_config(tiny_models, "none")
+    assert Engine(config, device="cpu").decoders == {}
+    assert Engine(config, device="cpu", decode="eager").decoders == {}
+    assert set(Engine(config, device="cpu", decode="static").decoders) == {"default"}
+    with pytest.raises(ValueError, match="decode must be one of"):
+        Engine(config, device="cpu", decode="fast")
+
+
+def test_unsupported_architectures_are_named() -> None:
+    def model(**cfg: Any) -> Any:
+        attn = SimpleNamespace(q_proj=1, k_proj=1, v_proj=1, o_proj=1)
+        layer = SimpleNamespace(self_attn=attn, mlp=SimpleNamespace(gate_proj=1, up_proj=1, down_proj=1))
+        config = SimpleNamespace(**{"model_type": "qwen2", **cfg})
+        return SimpleNamespace(config=config, model=SimpleNamespace(layers=[layer]))
+
+    assert unsupported_reason(model()) is None
+    assert "gpt2" in unsupported_reason(model(model_type="gpt2"))
+    assert "sliding" in unsupported_reason(model(use_sliding_window=True))
+    assert "sliding" in unsupported_reason(model(layer_types=["full_attention", "sliding_attention"]))
+
+
+def test_buckets() -> None:
+    assert [row_bucket(n) for n in (1, 3, 5, 17, 200, 512)] == [1, 4, 8, 24, 224, 512]
+    assert row_bucket(600) == 600  # past the table: the batch as it is
+    assert [length_bucket(n) for n in (1, 64, 65, 300)] == [64, 64, 128, 320]
+
+
+def test_static_plan_fits_more_rows_and_a_whole_bucket() -> None:
+    shape = ModelShape.from_dict(
+        {
+            "hidden_size": QWEN25_1_5B.hidden,
+            "num_hidden_layers": QWEN25_1_5B.layers,
+            "num_attention_heads": QWEN25_1_5B.heads,
+            "num_key_value_heads": QWEN25_1_5B.kv_heads,
+            "intermediate_size": QWEN25_1_5B.intermediate,
+            "vocab_size": QWEN25_1_5B.model_vocab,
+        }
+    )
+    common = {"budget_bytes": 6 * GIB, "resident_bytes": int(1.2 * GIB), "input_tokens": 256, "new_tokens": 32}
+    eager = plan_batch(shape, **common)
+    static = plan_batch(shape, **common, prefill_chunk_tokens=4096, cache_tokens=length_bucket(288))
+    assert static.max_rows > eager.max_rows  # prefill activations are one chunk's, not every row's
+    assert static.free_bytes < eager.free_bytes  # ...which is reserved up front
+    assert static.bytes_per_row * static.max_rows <= static.free_bytes
+
+
+def test_engine_plan_rounds_down_to_a_bucket(tiny_models: Path) -> None:
+    engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static", memory_budget_bytes=GIB)
+    for tokens in (16, 100, 400):
+        assert engine.plan("kev", input_tokens=tokens).max_rows in ROW_BUCKETS
