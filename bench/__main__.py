@@ -1,4 +1,4 @@
-"""`python -m bench {engine|nightly|submit} ...`: the project's benchmarks (timings live here, never in tests)."""
+"""`python -m bench {engine|nightly|fastpath|submit|soak} ...`: the benchmarks (timings live here, never in tests)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import sys
 
 
 def main() -> None:
-    commands = {"engine": "bench.engine", "nightly": "bench.nightly", "submit": "bench.submit", "soak": "bench.soak"}
+    commands = {
+        "engine": "bench.engine",
+        "nightly": "bench.nightly",
+        "submit": "bench.submit",
+        "soak": "bench.soak",
+        "fastpath": "bench.fastpath",
+    }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(f"usage: python -m bench {{{'|'.join(commands)}}} [--help]", file=sys.stderr)
         sys.exit(2)
