@@ -67,6 +67,30 @@ def assert_same(eager: Recording, static: Recording, jobs: list[Job]) -> None:
 @pytest.mark.parametrize("n", [1, 5, 17])  # 5 and 17 are padded up to buckets 8 and 24
 def test_token_identical_to_hf_generate(pair: tuple[Recording, Recording], models: str, n: int) -> None:
     assert_same(*pair, batch(models, n))
+    assert next(iter(pair[1].decoders.values())).own_prefill  # the loop's own prefill ran, no fallback
+
+
+def test_prefill_through_the_models_forward_is_identical_too(pair: tuple[Recording, Recording]) -> None:
+    decoder = next(iter(pair[1].decoders.values()))
+    decoder.own_prefill = False
+    try:
+        assert_same(*pair, batch("mixed", 9))
+    finally:
+        decoder.own_prefill = True
+
+
+def test_a_failing_own_prefill_hands_over_to_the_models_forward(tiny_models: Path) -> None:
+    config = tiny_config(tiny_models, "none")
+    eager = Recording(config, device="cpu", decode="eager")
+    static = Recording(config, device="cpu", decode="static", bases=eager.bases)
+    decoder = next(iter(static.decoders.values()))
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("kernel not available")
+
+    decoder._prefill_own = broken
+    assert_same(eager, static, batch("kev", 5))
+    assert decoder.own_prefill is False and static.decoders  # the loop itself carries on
 
 
 def test_per_row_limits_and_ragged_prompts(pair: tuple[Recording, Recording]) -> None:
@@ -216,3 +240,40 @@ def test_engine_plan_rounds_down_to_a_bucket(tiny_models: Path) -> None:
     engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static", memory_budget_bytes=GIB)
     for tokens in (16, 100, 400):
         assert engine.plan("kev", input_tokens=tokens).max_rows in ROW_BUCKETS
+
+
+def _lora_linear(dtype: torch.dtype) -> Any:
+    """A PEFT LoRA linear with two adapters (ranks 8 and 4, different scales) on a `dtype` base layer, adapters
+    kept in float32 as PEFT keeps them, and non-zero B (a fresh adapter's B is zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 48)).to(dtype)
+    model = get_peft_model(net, LoraConfig(r=8, lora_alpha=32, target_modules=["0"]), adapter_name="kev")
+    model.add_adapter("laya", LoraConfig(r=4, lora_alpha=4, target_modules=["0"]))
+    layer = model.base_model.model[0]
+    for name in ("kev", "laya"):
+        layer.lora_A[name].float()
+        layer.lora_B[name].float()
+        torch.nn.init.normal_(layer.lora_B[name].weight, std=0.1)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loop_lora_matches_peft_and_masks_pick_each_rows_adapter(dtype: torch.dtype) -> None:
+    from worker.fastpath import _Proj
+
+    layer = _lora_linear(dtype)
+    proj = _Proj(layer, dtype)
+    assert bool(proj.fused) == (dtype != torch.float32)  # fused only where PEFT would cast
+    x = torch.randn(4, 1, 32).to(dtype)
+    tol = {"rtol": 0, "atol": 0} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    with torch.no_grad():
+        for name in ("kev", "laya"):
+            layer.set_adapter(name)
+            torch.testing.assert_close(proj(x, [(name, None)]), layer(x), **tol)
+        mask_kev = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=dtype).view(4, 1, 1)
+        mixed = proj(x, [("kev", mask_kev), ("laya", 1 - mask_kev)])
+        want = torch.where(mask_kev.bool(), proj(x, [("kev", None)]), proj(x, [("laya", None)]))
+        torch.testing.assert_close(mixed, want, **tol)
+        torch.testing.assert_close(proj(x, []), layer.base_layer(x), rtol=0, atol=0)
