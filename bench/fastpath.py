@@ -26,6 +26,7 @@ from bench.nightly import workload
 from shared.job import Job
 from worker.config import load_config
 from worker.engine import Engine
+from worker.fastpath import StaticDecoder
 from worker.memory import MIB, parse_bytes
 
 
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sizes", default="1,64,256")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--compute-dtype", default=None, help="float32 to check agreement without bf16 rounding")
+    parser.add_argument("--exact-lora", action="store_true", help="PEFT's float32 LoRA arithmetic in the loop")
     parser.add_argument("--skip-eager", action="store_true", help="no eager ms/step and kernel table")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
@@ -128,12 +130,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     static = TokenRecorder(
         config, device=args.device, memory_budget_bytes=budget, max_batch_rows=512, decode="static", bases=eager.bases
     )
+    if args.exact_lora:
+        for name, decoder in static.decoders.items():
+            static.decoders[name] = StaticDecoder(
+                static.bases[name].model, static.device, use_graphs=decoder.use_graphs, fuse_lora=False
+            )
     tok = eager.base_for("laya").tokenizer
     specs = workload(max(args.rows, 256), 0.0, tokenizer=tok, seed=5)
     laya, kev = jobs_from(specs[: args.rows], "laya"), jobs_from(specs[: args.rows], "kev", 64)
     mixed = [j for pair in zip(laya[: args.rows // 2], kev[: args.rows // 2], strict=True) for j in pair]
     report: dict[str, Any] = {"hardware": hardware(args.device, budget), "shape": args.shape}
     report["compute_dtype"] = config.bases["default"].compute_dtype
+    report["lora"] = "exact (PEFT float32)" if args.exact_lora else "fused in the compute dtype"
     report["agreement"] = agreement(eager, static, {"laya": laya, "kev": kev, "mixed": mixed})
     sizes = [int(s) for s in args.sizes.split(",")]
     fixed = [
@@ -174,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     peak = f", peak {report['peak_memory_bytes'] / MIB:.0f} MiB" if "peak_memory_bytes" in report else ""
     append_results(
         f"| fastpath | {report['hardware']} | {args.shape} NF4 ({report['compute_dtype']} compute) + Kev r16/Laya r8 "
-        "(random weights) | static+graph vs "
+        f"(random weights) | static+graph (LoRA {report['lora']}) vs "
         f"HF generate, 128-token prompts: {steps}; greedy agreement: {agree}{peak} | "
         f"`python -m bench fastpath {' '.join(sys.argv[1:] if argv is None else argv)}` |",
         out_dir,
