@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = load_config(path)
     eager = TokenRecorder(config, device=args.device, memory_budget_bytes=budget, max_batch_rows=512, decode="eager")
     static = TokenRecorder(
-        config, device=args.device, memory_budget_bytes=budget, max_batch_rows=512, decode="static", bases=eager.bases
+        config, device=args.device, memory_budget_bytes=budget, max_batch_rows=512, decode="auto", bases=eager.bases
     )
     if args.exact_lora:
         for name, decoder in static.decoders.items():
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         few = [Job(custom_id=j.custom_id, model=j.model, prompt=j.prompt, max_new_tokens=4) for j in big]
         if not args.skip_eager:
             kernel_profile(eager, few, out_dir, "eager")
-        static_nograph = Engine(
+        static_nograph = Engine(  # the step's own kernels (a replayed graph hides them)
             config,
             device=args.device,
             memory_budget_bytes=budget,
@@ -166,8 +166,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             decode="static",
             bases=eager.bases,
         )
-        for decoder in static_nograph.decoders.values():
-            decoder.use_graphs = False  # kernels of the step itself (a replayed graph hides them)
         # Decode-heavy (17 new tokens per row): the table is mostly the loop's decode step, run without graphs.
         steps = [Job(custom_id=j.custom_id, model=j.model, prompt=j.prompt, max_new_tokens=17) for j in big]
         kernel_profile(static_nograph, steps, out_dir, "static")

@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             max_batch_rows=512,
             decode=args.decode,
         )
-        report["decode"] = "static+graphs" if engine.decoders and args.device.startswith("cuda") else args.decode
+        graphs = any(d.use_graphs for d in engine.decoders.values())
+        report["decode"] = ("static+graphs" if graphs else "static") if engine.decoders else "HF generate"
         jobs = workload(args.items, args.escalation_rate, tokenizer=tokenizer(engine))
         if "nightly" not in skip:
             report["nightly"] = nightly(redis, engine, jobs, out_dir, args.profile)

@@ -189,11 +189,12 @@ def test_out_of_memory_in_the_loop_splits_the_batch(tiny_models: Path) -> None:
     assert sizes == [4, 2, 2] and engine.decoders  # split, not abandoned
 
 
-def test_auto_uses_hf_generate_on_cpu_and_eager_turns_it_off(tiny_models: Path) -> None:
+def test_auto_runs_the_loop_without_graphs_on_cpu_and_eager_turns_it_off(tiny_models: Path) -> None:
     config = tiny_config(tiny_models, "none")
-    assert Engine(config, device="cpu").decoders == {}
+    auto = Engine(config, device="cpu")
+    assert set(auto.decoders) == {"default"} and not auto.decoders["default"].use_graphs
+    assert not Engine(config, device="cpu", decode="static").decoders["default"].use_graphs
     assert Engine(config, device="cpu", decode="eager").decoders == {}
-    assert set(Engine(config, device="cpu", decode="static").decoders) == {"default"}
     with pytest.raises(ValueError, match="decode must be one of"):
         Engine(config, device="cpu", decode="fast")
 

@@ -40,8 +40,8 @@ def _setup_logging(level: str) -> None:
     type=click.Choice(["auto", "eager", "static"]),
     default="auto",
     show_default=True,
-    help="auto: CUDA-graph decode loop for greedy rows on a GPU, HF generate otherwise; eager: always HF "
-    "generate (turns the fast path off); static: the static-cache loop wherever supported, even on CPU.",
+    help="auto: greedy rows through the static decode loop (CUDA graphs on a GPU) where the model supports "
+    "it; static: the loop without graphs; eager: always HF generate (turns the fast path off).",
 )
 @click.option(
     "--batch-time-limit-s", default=900.0, show_default=True, help="Rows still generating then fail with `timeout`."
