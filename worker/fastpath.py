@@ -41,6 +41,7 @@ ARCHITECTURES = ("qwen2", "llama", "mistral")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 LENGTH_QUANTUM = 64  # cache lengths are multiples of this (aligned SDPA masks, few distinct graphs)
 MAX_GRAPHS = 12  # captured graphs kept (least recently used dropped); each pins its static buffers
+Masks = list[tuple[str, torch.Tensor | None]]  # (adapter, per-row 0/1 mask or None: every row) per LoRA delta
 AdapterSelect = Callable[[Sequence[str | None]], contextlib.AbstractContextManager[dict[str, Any]]]
 
 
@@ -124,7 +125,7 @@ class _Proj:
         # PEFT's bnb layers cast the delta to the output dtype before adding; its plain layers add, then cast.
         self.cast_delta_first = type(module).__module__.endswith("lora.bnb")
 
-    def __call__(self, x: torch.Tensor, masks: Sequence[tuple[str, torch.Tensor | None]]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, masks: Masks) -> torch.Tensor:
         result = self.base(x)
         out_dtype = result.dtype
         for name, mask in masks:
@@ -248,33 +249,46 @@ class StaticDecoder:
             self._graph_pool = torch.cuda.graph_pool_handle()
 
     # ---- the step ----------------------------------------------------------------------------
-    def _masks(self, state: _State, adapters: tuple[str, ...], mixed: bool) -> list[tuple[str, torch.Tensor | None]]:
+    def _masks(self, state: _State, adapters: tuple[str, ...], mixed: bool) -> Masks:
         if not mixed:
             return [(name, None) for name in adapters]
         return [(name, state.adapter_masks[name]) for name in adapters]
 
-    def _forward(self, state: _State, masks: list[tuple[str, torch.Tensor | None]]) -> torch.Tensor:
+    def _forward(self, state: _State, masks: Masks) -> torch.Tensor:
         """Logits (rows, vocab) for the tokens in `state.ids`, their K/V written at `state.cache_pos`."""
         rows = state.rows
         h = self.embed(state.ids)
         cos, sin = self.rotary(h, state.pos)
         groups = self.heads // self.kv_heads
         for layer, (k_cache, v_cache) in zip(self.layers, state.kv, strict=True):
-            x = layer.norm1(h)
-            q = layer.q(x, masks).view(rows, 1, self.heads, self.head_dim).transpose(1, 2)
-            k = layer.k(x, masks).view(rows, 1, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = layer.v(x, masks).view(rows, 1, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = layer.rope(q, k, cos, sin)
+            q, k, v = self._qkv(layer, h, masks, cos, sin)
             k_cache.index_copy_(2, state.cache_pos, k)
             v_cache.index_copy_(2, state.cache_pos, v)
             # Query length 1: the query heads sharing a KV head become that head's query rows -- GQA with no
             # K/V expansion. Head j uses KV head j // groups, as in HF's repeat_kv.
             q = q.reshape(rows, self.kv_heads, groups, self.head_dim)
             out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=state.mask, scale=layer.scaling)
-            h = h + layer.o(out.reshape(rows, 1, self.heads * self.head_dim), masks)
-            x = layer.norm2(h)
-            h = h + layer.down(layer.act(layer.gate(x, masks)) * layer.up(x, masks), masks)
+            h = self._rest(layer, h, out.reshape(rows, 1, self.heads * self.head_dim), masks)
         return self.head(self.norm(h))[:, 0]
+
+    def _qkv(
+        self, layer: _Layer, h: torch.Tensor, masks: Masks, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, heads, T, D) queries and (rows, kv_heads, T, D) keys/values, rotary applied, as HF does."""
+        rows, width = h.shape[:2]
+        x = layer.norm1(h)
+        q = layer.q(x, masks).view(rows, width, self.heads, self.head_dim).transpose(1, 2)
+        k = layer.k(x, masks).view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = layer.v(x, masks).view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = layer.rope(q, k, cos, sin)
+        return q, k, v
+
+    @staticmethod
+    def _rest(layer: _Layer, h: torch.Tensor, attn: torch.Tensor, masks: Masks) -> torch.Tensor:
+        """The layer after attention: output projection and residual, then the MLP and its residual."""
+        h = h + layer.o(attn, masks)
+        x = layer.norm2(h)
+        return h + layer.down(layer.act(layer.gate(x, masks)) * layer.up(x, masks), masks)
 
     def _choose(self, state: _State, logits: torch.Tensor, end_id: int, pad_id: int, stop: torch.Tensor) -> None:
         """Greedy choice and bookkeeping, all on the device (no host sync): as HF's greedy search does it --
@@ -294,7 +308,7 @@ class StaticDecoder:
         state.cache_pos += 1
         state.step += 1
 
-    def _step(self, state: _State, masks: list[tuple[str, torch.Tensor | None]], ends: tuple[Any, ...]) -> None:
+    def _step(self, state: _State, masks: Masks, ends: tuple[Any, ...]) -> None:
         state.mask.index_fill_(-1, state.cache_pos, True)  # the slot this step writes is now attended
         self._choose(state, self._forward(state, masks), *ends)
 
@@ -318,7 +332,7 @@ class StaticDecoder:
         masks = self._masks(state, adapters, mixed)
         return state, (graph.replay if graph is not None else lambda: self._step(state, masks, ends))
 
-    def _capture(self, state: _State, masks: list[tuple[str, torch.Tensor | None]], ends: tuple[Any, ...]) -> Any:
+    def _capture(self, state: _State, masks: Masks, ends: tuple[Any, ...]) -> Any:
         # Warm up on a side stream first (lazy cuBLAS/bnb initialisation must not happen inside a capture);
         # the warm-up writes garbage into the state, which every batch overwrites before replaying.
         stream = torch.cuda.Stream(self.device)
@@ -468,22 +482,16 @@ class StaticDecoder:
         attend |= torch.eye(width, dtype=torch.bool, device=self.device)[None, None]
         groups = self.heads // self.kv_heads
         for layer, (k_cache, v_cache) in zip(self.layers, state.kv, strict=True):
-            x = layer.norm1(h)
-            q = layer.q(x, masks).view(rows, width, self.heads, self.head_dim).transpose(1, 2)
-            k = layer.k(x, masks).view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = layer.v(x, masks).view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = layer.rope(q, k, cos, sin)
+            q, k, v = self._qkv(layer, h, masks, cos, sin)
             k_cache[start : start + rows, :, :width] = k
             v_cache[start : start + rows, :, :width] = v
             out = F.scaled_dot_product_attention(
                 q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=attend, scale=layer.scaling
             )
-            h = h + layer.o(out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim), masks)
-            x = layer.norm2(h)
-            h = h + layer.down(layer.act(layer.gate(x, masks)) * layer.up(x, masks), masks)
+            h = self._rest(layer, h, out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim), masks)
         return self.head(self.norm(h[:, -1:]))[:, 0].float()
 
-    def _row_masks(self, part: Sequence[DecodeRow]) -> list[tuple[str, torch.Tensor | None]]:
+    def _row_masks(self, part: Sequence[DecodeRow]) -> Masks:
         """LoRA selection for a prefill chunk: no masks when every row uses one adapter (PEFT's arithmetic),
         else a 0/1 row mask per adapter."""
         names = {r.adapter for r in part}
