@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.fastpath import TokenRecorder
 from shared.errors import TIMEOUT
 from shared.job import Job
 from tests.conftest import tiny_config
@@ -24,24 +25,11 @@ from worker.tinymodel import QWEN25_1_5B
 PROMPTS = ["Approve a loan of 12000?", "Income 52000, debt low.", "不确定的情况", "x", "Step 1: check income " * 7]
 
 
-class Recording(Engine):
-    """Keeps each row's generated token ids, to compare paths token by token."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tokens: dict[str, list[int]] = {}
-
-    def _row_output(self, base: Any, item: Any, tokens: torch.Tensor, *rest: Any) -> Any:
-        out = super()._row_output(base, item, tokens, *rest)
-        self.tokens[item.job.custom_id] = tokens[: out.completion_tokens].tolist()
-        return out
-
-
 @pytest.fixture(scope="module", params=["none", "nf4"])
-def pair(request: pytest.FixtureRequest, tiny_models: Path) -> tuple[Recording, Recording]:
+def pair(request: pytest.FixtureRequest, tiny_models: Path) -> tuple[TokenRecorder, TokenRecorder]:
     config = tiny_config(tiny_models, request.param)
-    eager = Recording(config, device="cpu", decode="eager")
-    return eager, Recording(config, device="cpu", decode="static", bases=eager.bases)
+    eager = TokenRecorder(config, device="cpu", decode="eager")
+    return eager, TokenRecorder(config, device="cpu", decode="static", bases=eager.bases)
 
 
 def batch(models: str, n: int, **kw: Any) -> list[Job]:
@@ -56,7 +44,7 @@ def batch(models: str, n: int, **kw: Any) -> list[Job]:
     ]
 
 
-def assert_same(eager: Recording, static: Recording, jobs: list[Job]) -> None:
+def assert_same(eager: TokenRecorder, static: TokenRecorder, jobs: list[Job]) -> None:
     want, got = eager.run(jobs), static.run(jobs)
     for job, a, b in zip(jobs, want, got, strict=True):
         assert static.tokens[job.custom_id] == eager.tokens[job.custom_id], job.custom_id
@@ -66,12 +54,12 @@ def assert_same(eager: Recording, static: Recording, jobs: list[Job]) -> None:
 
 @pytest.mark.parametrize("models", ["kev", "laya", "mixed"])
 @pytest.mark.parametrize("n", [1, 5, 17])  # 5 and 17 are padded up to buckets 8 and 24
-def test_token_identical_to_hf_generate(pair: tuple[Recording, Recording], models: str, n: int) -> None:
+def test_token_identical_to_hf_generate(pair: tuple[TokenRecorder, TokenRecorder], models: str, n: int) -> None:
     assert_same(*pair, batch(models, n))
     assert next(iter(pair[1].decoders.values())).own_prefill  # the loop's own prefill ran, no fallback
 
 
-def test_prefill_through_the_models_forward_is_identical_too(pair: tuple[Recording, Recording]) -> None:
+def test_prefill_through_the_models_forward_is_identical_too(pair: tuple[TokenRecorder, TokenRecorder]) -> None:
     decoder = next(iter(pair[1].decoders.values()))
     decoder.own_prefill = False
     try:
@@ -82,8 +70,8 @@ def test_prefill_through_the_models_forward_is_identical_too(pair: tuple[Recordi
 
 def test_a_failing_own_prefill_hands_over_to_the_models_forward(tiny_models: Path) -> None:
     config = tiny_config(tiny_models, "none")
-    eager = Recording(config, device="cpu", decode="eager")
-    static = Recording(config, device="cpu", decode="static", bases=eager.bases)
+    eager = TokenRecorder(config, device="cpu", decode="eager")
+    static = TokenRecorder(config, device="cpu", decode="static", bases=eager.bases)
     decoder = next(iter(static.decoders.values()))
 
     def broken(*args: Any, **kwargs: Any) -> None:
@@ -94,7 +82,7 @@ def test_a_failing_own_prefill_hands_over_to_the_models_forward(tiny_models: Pat
     assert decoder.own_prefill is False and static.decoders  # the loop itself carries on
 
 
-def test_per_row_limits_and_ragged_prompts(pair: tuple[Recording, Recording]) -> None:
+def test_per_row_limits_and_ragged_prompts(pair: tuple[TokenRecorder, TokenRecorder]) -> None:
     jobs = [
         Job(custom_id=f"r{i}", model="kev", prompt=PROMPTS[i % 5] * (1 + i % 3), max_new_tokens=1 + 5 * i)
         for i in range(8)
@@ -104,7 +92,7 @@ def test_per_row_limits_and_ragged_prompts(pair: tuple[Recording, Recording]) ->
     assert [len(static.tokens[j.custom_id]) <= j.max_new_tokens for j in jobs] == [True] * 8
 
 
-def test_reused_buckets_stay_exact(pair: tuple[Recording, Recording]) -> None:
+def test_reused_buckets_stay_exact(pair: tuple[TokenRecorder, TokenRecorder]) -> None:
     """A second batch of another size and length reuses (and regrows) the cache: no stale state leaks in."""
     eager, static = pair
     assert_same(eager, static, batch("kev", 12))
@@ -125,7 +113,7 @@ def test_deadline_fails_rows_it_cut_short(tiny_models: Path) -> None:
             assert o.completion_tokens < 400
 
 
-def test_sampled_rows_use_hf_generate(pair: tuple[Recording, Recording]) -> None:
+def test_sampled_rows_use_hf_generate(pair: tuple[TokenRecorder, TokenRecorder]) -> None:
     _, static = pair
     decoder = next(iter(static.decoders.values()))
     before = dict(decoder._graphs)

@@ -28,7 +28,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from shared.errors import INPUT_TOO_LONG, INTERNAL, NON_FINITE_LOGITS, OUT_OF_MEMORY, TIMEOUT, JobFailure
 from shared.job import Job
 from worker.config import EscalationRule, ModelsConfig, ModelSpec
-from worker.fastpath import ROW_BUCKETS, DecodeRow, StaticDecoder, length_bucket, unsupported_reason
+from worker.fastpath import ROW_BUCKETS, DecodeRow, StaticDecoder, left_pad, length_bucket, unsupported_reason
 from worker.loading import LoadedBase, load_all
 from worker.memory import DTYPE_BYTES, BatchPlan, plan_batch
 from worker.outputs import RowOutput
@@ -294,7 +294,7 @@ class Engine:
     def _generate_eager(self, items: list[_Item]) -> list[RowOutput]:
         base = self.base_for(items[0].job.model)
         tok = base.tokenizer
-        input_ids, mask = self._left_pad(base, [it.ids for it in items])
+        input_ids, mask = left_pad([it.ids for it in items], tok.pad_token_id, self.device)
         prompt_len = input_ids.shape[1]
         limits = torch.tensor([it.max_new for it in items], device=self.device)
         stop_ids = self._stop_ids(base)
@@ -378,7 +378,7 @@ class Engine:
                 seqs.append(item.ids + cids)
                 owners.append(row)
                 lengths.append(len(cids))
-        input_ids, mask = self._left_pad(base, seqs)
+        input_ids, mask = left_pad(seqs, tok.pad_token_id, self.device)
         tail = max(lengths)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         self._fault("score", len(items))
@@ -415,16 +415,6 @@ class Engine:
         )
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _left_pad(self, base: LoadedBase, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(r) for r in rows)
-        pad = base.tokenizer.pad_token_id
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r) :] = 1
-        return ids.to(self.device), mask.to(self.device)
-
     def _stop_ids(self, base: LoadedBase) -> list[int]:
         tok = base.tokenizer
         ids = [tok.convert_tokens_to_ids(s) for s in self.config.stop_strings]

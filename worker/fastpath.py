@@ -58,7 +58,20 @@ class Decoded:
     logprobs: torch.Tensor  # (rows, steps) float32 log-probability of each chosen token
     bad: torch.Tensor  # (rows,) bool: non-finite logits seen while the row was live
     cut_short: bool  # the deadline ended the loop before every row finished
-    steps: int
+
+
+def left_pad(
+    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask (1 = real token), each row left-padded to `width` (default: the longest),
+    so every row's last prompt token sits in the same column."""
+    width = width or max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids.to(device), mask.to(device)
 
 
 def row_bucket(rows: int) -> int:
@@ -220,9 +233,6 @@ class StaticDecoder:
         self.captures = 0  # graphs captured so far (a benchmark figure)
 
     # ---- memory ------------------------------------------------------------------------------
-    def kv_bytes(self, rows: int, length: int) -> int:
-        return 2 * len(self.layers) * rows * self.kv_heads * length * self.head_dim * self.dtype.itemsize
-
     def _kv_views(self, rows: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer K and V views into one pool, so graphs of different buckets share the memory (only one
         batch decodes at a time). Growing the pool moves it, which invalidates every captured graph."""
@@ -318,10 +328,7 @@ class StaticDecoder:
     ) -> tuple[_State, Callable[[], None]]:
         key = (rows, length, adapters, mixed, ends[0], ends[1], tuple(ends[2].tolist()))
         kv = self._kv_views(rows, length)  # first: may clear the graphs
-        if key in self._graphs:
-            self._graphs.move_to_end(key)
-            state, graph = self._graphs[key]
-        else:
+        if key not in self._graphs:
             state = _State(rows, length, kv, self.device)
             for name in adapters if mixed else ():
                 state.adapter_masks[name] = torch.zeros(rows, 1, 1, dtype=self.dtype, device=self.device)
@@ -329,8 +336,12 @@ class StaticDecoder:
             self._graphs[key] = (state, graph)
             while len(self._graphs) > MAX_GRAPHS:
                 self._graphs.popitem(last=False)
+        self._graphs.move_to_end(key)
+        state, graph = self._graphs[key]
+        if graph is not None:
+            return state, graph.replay
         masks = self._masks(state, adapters, mixed)
-        return state, (graph.replay if graph is not None else lambda: self._step(state, masks, ends))
+        return state, lambda: self._step(state, masks, ends)
 
     def _capture(self, state: _State, masks: Masks, ends: tuple[Any, ...]) -> Any:
         # Warm up on a side stream first (lazy cuBLAS/bnb initialisation must not happen inside a capture);
@@ -396,8 +407,7 @@ class StaticDecoder:
             tokens=state.tokens[:n, :steps].cpu(),
             logprobs=state.logprobs[:n, :steps].cpu(),
             bad=state.bad[:n].cpu(),
-            cut_short=cut_short and not bool(state.finished[:n].all()),
-            steps=steps,
+            cut_short=cut_short,  # only set while some row is unfinished
         )
 
     def _reset(self, state: _State, rows: Sequence[DecodeRow], width: int, mixed_adapters: tuple[str, ...]) -> None:
@@ -425,8 +435,8 @@ class StaticDecoder:
         state.step.zero_()
         state.cache_pos.fill_(width - 1)
         for name in mixed_adapters:
-            sel = torch.tensor([[[1.0 if r.adapter == name else 0.0]] for r in rows] + [[[0.0]]] * (bucket - n))
-            state.adapter_masks[name].copy_(sel)
+            state.adapter_masks[name][:n].copy_(self._adapter_mask(rows, name))
+            state.adapter_masks[name][n:] = 0.0
 
     def _prefill(
         self, state: _State, rows: Sequence[DecodeRow], width: int, select: AdapterSelect, pad_id: int
@@ -440,12 +450,7 @@ class StaticDecoder:
         chunk = max(1, self.prefill_tokens // max(1, width))
         for start in range(0, n, chunk):
             part = rows[start : start + chunk]
-            ids = torch.full((len(part), width), pad_id, dtype=torch.long)
-            mask = torch.zeros((len(part), width), dtype=torch.long)
-            for i, row in enumerate(part):
-                ids[i, width - len(row.ids) :] = torch.tensor(row.ids, dtype=torch.long)
-                mask[i, width - len(row.ids) :] = 1
-            ids, mask = ids.to(self.device), mask.to(self.device)
+            ids, mask = left_pad([r.ids for r in part], pad_id, self.device, width)  # the whole batch's width
             positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as HF's generate derives them
             rows_out = slice(start, start + len(part))
             if self.own_prefill:
@@ -498,15 +503,12 @@ class StaticDecoder:
         adapters = sorted(a for a in names if a is not None)
         if len(names) == 1:
             return [(name, None) for name in adapters]
-        return [
-            (
-                name,
-                torch.tensor(
-                    [1.0 if r.adapter == name else 0.0 for r in part], dtype=self.dtype, device=self.device
-                ).view(-1, 1, 1),
-            )
-            for name in adapters
-        ]
+        return [(name, self._adapter_mask(part, name)) for name in adapters]
+
+    def _adapter_mask(self, rows: Sequence[DecodeRow], name: str) -> torch.Tensor:
+        """(rows, 1, 1): 1 where the row uses adapter `name`, else 0 -- multiplies that adapter's LoRA delta."""
+        sel = [1.0 if r.adapter == name else 0.0 for r in rows]
+        return torch.tensor(sel, dtype=self.dtype, device=self.device).view(-1, 1, 1)
 
     def _prefill_model(
         self,
