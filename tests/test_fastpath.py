@@ -18,8 +18,8 @@ from shared.errors import TIMEOUT
 from shared.job import Job
 from tests.conftest import tiny_config
 from worker.engine import Engine
-from worker.fastpath import ROW_BUCKETS, length_bucket, row_bucket, unsupported_reason
-from worker.memory import GIB, ModelShape, plan_batch
+from worker.fastpath import ROW_BUCKETS, DecodeRow, length_bucket, row_bucket, unsupported_reason
+from worker.memory import GIB, MIB, RESERVE_BYTES, ModelShape, plan_batch
 from worker.tinymodel import QWEN25_1_5B
 
 PROMPTS = ["Approve a loan of 12000?", "Income 52000, debt low.", "不确定的情况", "x", "Step 1: check income " * 7]
@@ -80,6 +80,44 @@ def test_a_failing_own_prefill_hands_over_to_the_models_forward(tiny_models: Pat
     decoder._prefill_own = broken
     assert_same(eager, static, batch("kev", 5))
     assert decoder.own_prefill is False and static.decoders  # the loop itself carries on
+
+
+def test_small_prefill_chunks_of_their_own_widths_stay_exact(pair: tuple[TokenRecorder, TokenRecorder]) -> None:
+    """Prompts of many lengths split into many prefill chunks, each padded only to its own longest prompt."""
+    decoder = next(iter(pair[1].decoders.values()))
+    decoder.prefill_tokens = 24
+    try:
+        jobs = [
+            Job(custom_id=f"c{i}", model=("kev", "laya")[i % 2], prompt=PROMPTS[i % 5] * (1 + i % 4)) for i in range(11)
+        ]
+        assert_same(*pair, jobs)
+        assert len(decoder._chunks([_row(len(j.prompt)) for j in jobs], 200, 0)) > 3
+    finally:
+        decoder.prefill_tokens = 4096
+
+
+def _row(n: int, adapter: str | None = "kev") -> DecodeRow:
+    return DecodeRow(ids=list(range(3, 3 + n)), max_new=4, adapter=adapter)
+
+
+def test_rows_in_any_order_decode_as_when_sorted(pair: tuple[TokenRecorder, TokenRecorder]) -> None:
+    """The engine hands rows sorted by length; rows in another order are chunked through an index."""
+    static = pair[1]
+    decoder = next(iter(static.decoders.values()))
+    base = static.base_for("kev")
+    rows = [_row(n, adapter) for n, adapter in [(9, "kev"), (2, "laya"), (14, "kev"), (5, "laya"), (1, "kev")]]
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i].ids))
+    decoder.prefill_tokens = 20
+    try:
+
+        def run(rows: list[DecodeRow]) -> torch.Tensor:
+            kw = {"stop_ids": static._stop_ids(base), "pad_id": base.tokenizer.pad_token_id}
+            return decoder.decode(rows, select=lambda names: static._adapters(base, names), **kw).tokens
+
+        shuffled, ordered = run(rows), run([rows[i] for i in order])
+    finally:
+        decoder.prefill_tokens = 4096
+    assert torch.equal(shuffled[order], ordered)
 
 
 def test_per_row_limits_and_ragged_prompts(pair: tuple[TokenRecorder, TokenRecorder]) -> None:
@@ -157,6 +195,27 @@ def test_out_of_memory_in_the_loop_splits_the_batch(tiny_models: Path) -> None:
     assert sizes == [4, 2, 2] and engine.decoders  # split, not abandoned
 
 
+def test_out_of_memory_with_graphs_held_retries_once_before_splitting(tiny_models: Path) -> None:
+    """Graphs of earlier buckets pin memory the plan does not count: released, the same batch may fit."""
+    engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static")
+    decoder = next(iter(engine.decoders.values()))
+    engine.run(batch("laya", 3))
+    assert decoder.holds_memory()
+    real = decoder.decode
+    sizes: list[int] = []
+
+    def once(rows: Any, **kwargs: Any) -> Any:
+        sizes.append(len(rows))
+        if len(sizes) == 1:
+            raise torch.OutOfMemoryError("simulated")
+        return real(rows, **kwargs)
+
+    decoder.decode = once
+    outs = engine.run(batch("laya", 4))
+    assert all(o.error is None for o in outs)
+    assert sizes == [4, 4]  # released and retried whole, not split
+
+
 def test_auto_runs_the_loop_without_graphs_on_cpu_and_eager_turns_it_off(tiny_models: Path) -> None:
     config = tiny_config(tiny_models, "none")
     auto = Engine(config, device="cpu")
@@ -211,6 +270,19 @@ def test_engine_plan_rounds_down_to_a_bucket(tiny_models: Path) -> None:
         assert engine.plan("kev", input_tokens=tokens).max_rows in ROW_BUCKETS
 
 
+def test_the_take_follows_the_prompt_lengths_last_seen(tiny_models: Path) -> None:
+    """After a batch of long prompts the worker takes fewer rows, so its next take is not split in two."""
+    engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static", memory_budget_bytes=GIB)
+    engine.memory_budget_bytes = engine.resident_bytes + RESERVE_BYTES + 128 * MIB  # a plan below the row cap
+    before = engine.max_rows("kev")
+    engine.run([Job(custom_id="long", model="kev", prompt="loan income debt " * 150, max_new_tokens=1)])
+    longest = engine._longest_prompt["kev"]
+    assert longest > 256
+    assert engine.max_rows("kev") == engine.plan("kev", input_tokens=longest).max_rows < before
+    engine.run([Job(custom_id="short", model="kev", prompt="hi", max_new_tokens=1)])
+    assert engine.max_rows("kev") == before  # never planned below the typical prompt
+
+
 def _lora_linear(dtype: torch.dtype) -> Any:
     """A PEFT LoRA linear with two adapters (ranks 8 and 4, different scales) on a `dtype` base layer, adapters
     kept in float32 as PEFT keeps them, and non-zero B (a fresh adapter's B is zero)."""
@@ -246,3 +318,27 @@ def test_loop_lora_matches_peft_and_masks_pick_each_rows_adapter(dtype: torch.dt
         want = torch.where(mask_kev.bool(), proj(x, [("kev", None)]), proj(x, [("laya", None)]))
         torch.testing.assert_close(mixed, want, **tol)
         torch.testing.assert_close(proj(x, []), layer.base_layer(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_4bit_weights_without_bitsandbytes_python_match_its_dequantisation(nested: bool) -> None:
+    """The loop's 4-bit calls (float32 scales decoded once; one dequantise op for prefill; bitsandbytes' own
+    matmul op for decode) compute what bitsandbytes' reference dequantisation gives."""
+    import bitsandbytes as bnb
+
+    from worker.fastpath import _Proj, float_absmax
+
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(64, 48, bias=True, compute_dtype=torch.float32, compress_statistics=nested)
+    layer.load_state_dict({"weight": torch.randn(48, 64), "bias": torch.randn(48)})
+    layer = layer.to("cpu")  # quantises
+    state = layer.weight.quant_state
+    assert state.nested == nested
+    reference = bnb.functional.dequantize_4bit(layer.weight.data, state).to(torch.float32)
+    proj = _Proj(layer, torch.float32)
+    proj._absmax = float_absmax(state)  # what the loop keeps for a GPU layer
+    x = torch.randn(5, 3, 64)
+    want = torch.nn.functional.linear(x, reference, layer.bias)
+    torch.testing.assert_close(proj.dense(), reference, rtol=0, atol=0)
+    torch.testing.assert_close(proj(x, [], proj.dense()), want, rtol=0, atol=0)
+    torch.testing.assert_close(proj(x, []), want, rtol=1e-6, atol=1e-6)

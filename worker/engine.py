@@ -17,7 +17,7 @@ import gc
 import logging
 import resource
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -84,12 +84,14 @@ class Engine:
             torch.cuda.reset_peak_memory_stats(self.device)  # the peak we report is this engine's, not a build's
         # `bases` lets a caller that loaded the models itself (kevlaya memory, measuring each stage) reuse them.
         self.bases: dict[str, LoadedBase] = bases if bases is not None else load_all(config, self.device)
-        self.resident_bytes = self._resident_bytes()
         self.decoders: dict[str, StaticDecoder] = {}
+        self.phase_s: Counter[str] = Counter()  # seconds spent encoding prompts and building outputs
+        self._longest_prompt: dict[str, int] = {}  # per model, in its last batch: sizes the worker's take
         for name, base in self.bases.items():
             decoder = self._static_decoder(name, base, decode)
             if decoder is not None:
                 self.decoders[name] = decoder
+        self.resident_bytes = self._resident_bytes()  # after the loops: they keep float32 4-bit scales resident
 
     def _static_decoder(self, name: str, base: LoadedBase, decode: str) -> StaticDecoder | None:
         if decode == "eager":
@@ -103,6 +105,14 @@ class Engine:
         return StaticDecoder(base.model, self.device, use_graphs=graphs)
 
     # ---- facts the worker needs -------------------------------------------------------------
+    def phase_seconds(self) -> dict[str, float]:
+        """Where `run` spent its time so far: encoding, building outputs, and the static loop's setup (graph
+        captures included), prefill and decode (with its step count), summed over the bases."""
+        total = Counter(self.phase_s)
+        for decoder in self.decoders.values():
+            total.update(decoder.phase_s)
+        return dict(total)
+
     def base_for(self, model: str) -> LoadedBase:
         return self.bases[self.config.models[model].base]
 
@@ -139,9 +149,12 @@ class Engine:
         return replace(plan, max_rows=max((b for b in ROW_BUCKETS if b <= plan.max_rows), default=plan.max_rows))
 
     def max_rows(self, model: str) -> int:
-        """How many jobs the worker takes per batch: the plan for typical prompts. `run` then packs the
-        rows by their real lengths into sub-batches that fit, so a batch of long prompts is still safe."""
-        typical = min(self.config.models[model].max_input_tokens, TYPICAL_INPUT_TOKENS)
+        """How many jobs the worker takes per batch: the plan for typical prompts, or for the longest prompt
+        of this model's last batch when that was longer. `run` packs the rows by their real lengths into
+        sub-batches that fit, so a take of long prompts is still safe; sizing the take by what was seen keeps
+        it from being split (each sub-batch decodes as many steps as its longest answer)."""
+        seen = max(TYPICAL_INPUT_TOKENS, self._longest_prompt.get(model, 0))
+        typical = min(self.config.models[model].max_input_tokens, seen)
         return max(1, self.plan(model, input_tokens=typical).max_rows)
 
     def escalation_rule(self, model: str) -> EscalationRule | None:
@@ -166,6 +179,8 @@ class Engine:
         self._deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
         outputs: list[RowOutput | None] = [None] * len(jobs)
         groups: dict[tuple[Any, ...], list[_Item]] = defaultdict(list)
+        longest: dict[str, int] = {}
+        started = time.perf_counter()
         for index, job in enumerate(jobs):
             try:
                 item = self._encode(index, job)
@@ -175,6 +190,9 @@ class Engine:
             spec = self.config.models[job.model]
             mode = ("choices",) if job.choices else ("generate", job.temperature, job.seed)
             groups[(spec.base, *mode)].append(item)
+            longest[job.model] = max(longest.get(job.model, 0), len(item.ids))
+        self._longest_prompt.update(longest)
+        self.phase_s["encode"] += time.perf_counter() - started
         for key, items in groups.items():
             scoring = key[1] == "choices"
             fn = self._score if scoring else self._generate
@@ -214,27 +232,37 @@ class Engine:
             chunks.append(current)
         return chunks
 
-    def _guarded(self, fn: Callable[[list[_Item]], list[RowOutput]], items: list[_Item]) -> list[RowOutput]:
-        """Out of memory splits the batch in halves and retries; only a row that fails alone is an error.
-        The retry happens after the `except` block: inside it, the traceback would keep the failed
-        attempt's activations alive and the halves would run out of memory too."""
+    def _guarded(
+        self, fn: Callable[[list[_Item]], list[RowOutput]], items: list[_Item], *, retried: bool = False
+    ) -> list[RowOutput]:
+        """Out of memory first retries the batch once, if releasing the static loop's graphs and cache freed
+        anything (graphs of earlier buckets pin memory the plan does not count); then it splits the batch
+        in halves; only a row that fails alone is an error. The retry happens after the `except` block:
+        inside it, the traceback would keep the failed attempt's activations alive."""
         try:
             return fn(items)
         except torch.OutOfMemoryError:
             pass
-        self._release_memory()
+        freed = self._release_memory()
+        if freed and not retried:
+            log.warning("out of memory at %d rows; retrying once with the decode graphs and cache released", len(items))
+            return self._guarded(fn, items, retried=True)
         if len(items) == 1:
             return [RowOutput.failed(OUT_OF_MEMORY, "does not fit in memory even alone", len(items[0].ids))]
         half = len(items) // 2
         log.warning("out of memory at %d rows; splitting into %d + %d", len(items), half, len(items) - half)
-        return self._guarded(fn, items[:half]) + self._guarded(fn, items[half:])
+        return self._guarded(fn, items[:half], retried=True) + self._guarded(fn, items[half:], retried=True)
 
-    def _release_memory(self) -> None:
+    def _release_memory(self) -> bool:
+        """Drop every static loop's graphs and cache (sized for the batch that failed); True if any held some."""
+        freed = False
         for decoder in self.decoders.values():
-            decoder.release()  # its cache is sized for the batch that failed
+            freed |= decoder.holds_memory()
+            decoder.release()
         if self.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
+        return freed
 
     # ---- encoding ---------------------------------------------------------------------------
     def _encode(self, index: int, job: Job) -> _Item:
@@ -283,12 +311,15 @@ class Engine:
             deadline=self._deadline,
         )
         stops = set(stop_ids)
-        return [
+        started = time.perf_counter()
+        outputs = [
             self._row_output(
                 base, item, result.tokens[row], result.logprobs[row], bool(result.bad[row]), stops, result.cut_short
             )
             for row, item in enumerate(items)
         ]
+        self.phase_s["outputs"] += time.perf_counter() - started
+        return outputs
 
     @torch.inference_mode()
     def _generate_eager(self, items: list[_Item]) -> list[RowOutput]:

@@ -1,22 +1,26 @@
 """The fast decode path: a static KV cache and one CUDA-graph-captured decode step per bucket.
 
-HF `generate` spends most of a decode step in Python and kernel launches (measured on the H200: ~130-150 ms a
+HF `generate` spends most of a decode step in Python and kernel launches (measured on the H200: ~75-150 ms a
 step whatever the batch size), so the GPU idles. Here greedy decoding of a batch runs as:
 
-1. prefill through the model itself (in row chunks, bounding activation memory), its K/V copied into a
-   preallocated cache of `rows x cache_len` slots, rows left-padded so every row writes the same column;
+1. prefill by the loop's own layer code, in chunks of rows of similar length (~4,096 tokens each, bounding
+   activation memory), each right-padded only to its own longest prompt so causal attention needs no mask;
+   K/V go straight into a preallocated cache of `rows x cache_len` slots, where every row's prompt ends in
+   the same column; 4-bit weights are dequantised by one op per projection, not bitsandbytes' Python path;
 2. one decode step -- embedding, every decoder layer, the LM head, the greedy choice, its log-probability,
    stop/limit bookkeeping -- written over static buffers, so on CUDA it is captured once per (rows bucket,
    length bucket, adapters) and replayed; the host checks "all rows finished?" only every few steps;
 3. LoRA applied here, not by PEFT's forward: one graph serves a mixed Kev/Laya batch by multiplying each
    adapter's delta with a per-row 0/1 mask (no Python-side split, no index copies), and a single-adapter
-   batch does exactly PEFT's arithmetic (same order of operations, same dtypes);
+   batch does PEFT's arithmetic (in the compute dtype where PEFT would cast to float32 and back);
 4. grouped-query attention without expanding K/V to every head: in a decode step the query length is 1, so
-   the `heads / kv_heads` query heads that share a KV head are passed to SDPA as that head's query rows.
+   the `heads / kv_heads` query heads that share a KV head are passed to SDPA as that head's query rows;
+5. fewer kernels per step where the result is the same element for element: RMSNorm's statistics by torch's
+   fused kernel, rotary embeddings on queries and keys together, 4-bit scales decoded once, not per call.
 
 Supported: Llama-style decoder layers (qwen2, llama, mistral) with full attention, greedy decoding. The
-engine falls back to HF `generate` (with a log line) for anything else, and on CPU runs this loop without
-graphs only when asked to (`decode = "static"`), which is how the tests check it token for token.
+engine falls back to HF `generate` (with a log line) for anything else. On CPU the loop runs without graphs,
+which is how the tests check it token for token against HF `generate`.
 """
 
 from __future__ import annotations
@@ -24,9 +28,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import sys
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +46,8 @@ LENGTH_QUANTUM = 64  # cache lengths are multiples of this (aligned SDPA masks, 
 MAX_GRAPHS = 12  # captured graphs kept (least recently used dropped); each pins its static buffers
 Masks = list[tuple[str, torch.Tensor | None]]  # (adapter, per-row 0/1 mask or None: every row) per LoRA delta
 AdapterSelect = Callable[[Sequence[str | None]], contextlib.AbstractContextManager[dict[str, Any]]]
+Dense = tuple[torch.Tensor | None, ...]  # per projection of a layer (q k v o gate up down): a ready weight, or None
+NO_DENSE: Dense = (None,) * 7
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,15 @@ def left_pad(
     for i, r in enumerate(rows):
         ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
         mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
+    return to_device(ids, device), to_device(mask, device)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor onto `device` without waiting for the GPU: a plain `.to("cuda")` synchronises the stream,
+    so each prefill chunk's inputs would wait for the previous chunk's kernels to finish."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def row_bucket(rows: int) -> int:
@@ -107,6 +120,41 @@ def _causal_lm(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+class _RMSNorm:
+    """HF's Llama-family RMSNorm (float32 statistics, scaled in the input dtype) with torch's fused kernel
+    for the statistics: 4 kernels where the module launches 8 (two of these per layer and decode step)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.weight, self.eps = module.weight, float(module.variance_epsilon)
+        self.shape = (module.weight.shape[-1],)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
+
+
+def _norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The module itself unless it is the plain RMSNorm `_RMSNorm` reproduces."""
+    plain = type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+    return _RMSNorm(module) if plain and getattr(module, "weight", None) is not None else module
+
+
+@torch.no_grad()
+def float_absmax(state: Any) -> torch.Tensor | None:
+    """A 4-bit weight's per-block scales in float32, computed once as bitsandbytes computes them per call:
+    with double quantisation they are themselves 8-bit, and decoding them costs two kernels every time.
+    None for a layout bitsandbytes itself does not run (nested scales in blocks other than 256)."""
+    if len(state.shape) != 2:
+        return None
+    if not state.nested:
+        return state.absmax
+    if state.state2.blocksize != 256:
+        return None
+    absmax = torch.ops.bitsandbytes.dequantize_blockwise.default(
+        state.absmax, state.state2.absmax, state.state2.code, 256, torch.float32
+    )
+    return absmax + state.offset
+
+
 @dataclass(frozen=True)
 class _Lora:
     a: torch.nn.Module
@@ -137,9 +185,48 @@ class _Proj:
                         self.fused[name] = (lora.a.weight.to(dtype), (lora.b.weight * lora.scaling).to(dtype))
         # PEFT's bnb layers cast the delta to the output dtype before adding; its plain layers add, then cast.
         self.cast_delta_first = type(module).__module__.endswith("lora.bnb")
+        self.dtype = dtype
+        # On CPU bitsandbytes repacks a 4-bit weight for its own kernel at the first call: leave it to that.
+        state = getattr(self.base.weight, "quant_state", None)
+        on_gpu = self.base.weight.device.type == "cuda"
+        self._absmax = float_absmax(state) if state is not None and on_gpu else None
 
-    def __call__(self, x: torch.Tensor, masks: Masks) -> torch.Tensor:
-        result = self.base(x)
+    def dense(self) -> torch.Tensor | None:
+        """The base weight ready for `F.linear`: a plain layer's own weight, or a CUDA 4-bit weight dequantised
+        exactly as bitsandbytes' dequantise-then-linear path does it for large inputs (the same kernel on the
+        same absmax), in one op instead of bitsandbytes' ~150 us of Python per call. None: the base layer must
+        run itself (4-bit on CPU, where bitsandbytes repacks the weight for its own kernel)."""
+        weight = self.base.weight
+        state = getattr(weight, "quant_state", None)
+        if state is None:
+            return weight if isinstance(self.base, torch.nn.Linear) and weight.dtype == self.dtype else None
+        if self._absmax is None:
+            return None
+        dtype = getattr(self.base, "compute_dtype", None) or self.dtype
+        return torch.ops.bitsandbytes.dequantize_4bit.default(
+            weight.view(-1, 1), self._absmax, state.blocksize, state.quant_type, list(state.shape), dtype
+        )
+
+    def _4bit(self, x: torch.Tensor) -> torch.Tensor:
+        """bitsandbytes' own 4-bit matmul op (its kernel choice by batch size) on the float32 scales, as
+        `Linear4bit.forward` calls it but without decoding the scales again or its Python around the call."""
+        state = self.base.weight.quant_state
+        dtype = getattr(self.base, "compute_dtype", None) or x.dtype
+        bias = None if self.base.bias is None else self.base.bias.to(dtype)
+        out = torch.ops.bitsandbytes.gemm_4bit.default(
+            x.to(dtype), self.base.weight.view(-1, 1), list(state.shape), self._absmax, state.blocksize,
+            state.quant_type, bias=bias,
+        )  # fmt: skip
+        return out.to(x.dtype)
+
+    def __call__(self, x: torch.Tensor, masks: Masks, dense: torch.Tensor | None = None) -> torch.Tensor:
+        if dense is not None:
+            bias = self.base.bias
+            result = F.linear(x.to(dense.dtype), dense, None if bias is None else bias.to(dense.dtype)).to(x.dtype)
+        elif self._absmax is not None:
+            result = self._4bit(x)
+        else:
+            result = self.base(x)
         out_dtype = result.dtype
         for name, mask in masks:
             if name in self.fused:
@@ -165,7 +252,7 @@ class _Proj:
 class _Layer:
     def __init__(self, layer: torch.nn.Module, dtype: torch.dtype, fuse: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.norm1, self.norm2 = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
         self.q, self.k, self.v, self.o = (
             _Proj(getattr(attn, n), dtype, fuse=fuse) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
         )
@@ -174,7 +261,9 @@ class _Layer:
         )
         self.act = mlp.act_fn
         self.scaling = float(attn.scaling)
-        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+    def dense(self) -> Dense:
+        return tuple(p.dense() for p in (self.q, self.k, self.v, self.o, self.gate, self.up, self.down))
 
 
 class _State:
@@ -198,6 +287,18 @@ class _State:
         self.adapter_masks: dict[str, torch.Tensor] = {}
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """One prefill chunk: its rows of the batch (a slice, or an index tensor) and where their K/V go."""
+
+    where: slice | torch.Tensor
+    ids: torch.Tensor  # (rows, span) right-padded prompt tokens
+    rows: torch.Tensor  # (rows, 1) the batch rows, for the cache writes
+    columns: torch.Tensor  # (rows, span) the cache column of each token
+    last: torch.Tensor  # (rows,) each row's last prompt token
+    masks: Masks
+
+
 class StaticDecoder:
     """Greedy batched decoding over a static KV cache, with CUDA graphs when the device is a GPU."""
 
@@ -219,7 +320,7 @@ class StaticDecoder:
         self.check_every = check_every
         self.prefill_tokens = prefill_tokens
         self.own_prefill = True  # False: prefill through the model's forward (after a failure, or to compare)
-        self.embed, self.norm, self.rotary = lm.model.embed_tokens, lm.model.norm, lm.model.rotary_emb
+        self.embed, self.norm, self.rotary = lm.model.embed_tokens, _norm(lm.model.norm), lm.model.rotary_emb
         self.head = lm.lm_head
         self.dtype = self.embed.weight.dtype
         # fuse_lora=False keeps PEFT's float32 LoRA arithmetic in bf16/fp16 models too (slower; for comparisons).
@@ -231,6 +332,7 @@ class StaticDecoder:
         self._graphs: OrderedDict[tuple[Any, ...], tuple[_State, torch.cuda.CUDAGraph | None]] = OrderedDict()
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.captures = 0  # graphs captured so far (a benchmark figure)
+        self.phase_s: Counter[str] = Counter()  # seconds per phase of `decode` (and steps), for benchmarks
 
     # ---- memory ------------------------------------------------------------------------------
     def _kv_views(self, rows: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -248,6 +350,10 @@ class StaticDecoder:
             v = self._pool[(2 * i + 1) * per : (2 * i + 2) * per].view(shape)
             views.append((k, v))
         return views
+
+    def holds_memory(self) -> bool:
+        """Whether `release` would free anything: a KV pool or captured graphs."""
+        return self._pool is not None or bool(self._graphs)
 
     def release(self) -> None:
         """Drop the graphs and the KV pool (after an out-of-memory error, or to hand memory back)."""
@@ -282,23 +388,37 @@ class StaticDecoder:
         return self.head(self.norm(h))[:, 0]
 
     def _qkv(
-        self, layer: _Layer, h: torch.Tensor, masks: Masks, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        layer: _Layer,
+        h: torch.Tensor,
+        masks: Masks,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        dense: Dense = NO_DENSE,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows, heads, T, D) queries and (rows, kv_heads, T, D) keys/values, rotary applied, as HF does."""
         rows, width = h.shape[:2]
         x = layer.norm1(h)
-        q = layer.q(x, masks).view(rows, width, self.heads, self.head_dim).transpose(1, 2)
-        k = layer.k(x, masks).view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = layer.v(x, masks).view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = layer.rope(q, k, cos, sin)
-        return q, k, v
+        q = layer.q(x, masks, dense[0]).view(rows, width, self.heads, self.head_dim)
+        k = layer.k(x, masks, dense[1]).view(rows, width, self.kv_heads, self.head_dim)
+        v = layer.v(x, masks, dense[2]).view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        # HF's apply_rotary_pos_emb, element for element, on queries and keys together (half the kernels).
+        qk = torch.cat((q, k), dim=2).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        half = self.head_dim // 2
+        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        qk = (qk * cos) + (rotated * sin)
+        return qk[:, : self.heads], qk[:, self.heads :], v
 
     @staticmethod
-    def _rest(layer: _Layer, h: torch.Tensor, attn: torch.Tensor, masks: Masks) -> torch.Tensor:
+    def _rest(
+        layer: _Layer, h: torch.Tensor, attn: torch.Tensor, masks: Masks, dense: Dense = NO_DENSE
+    ) -> torch.Tensor:
         """The layer after attention: output projection and residual, then the MLP and its residual."""
-        h = h + layer.o(attn, masks)
+        h = h + layer.o(attn, masks, dense[3])
         x = layer.norm2(h)
-        return h + layer.down(layer.act(layer.gate(x, masks)) * layer.up(x, masks), masks)
+        mlp = layer.act(layer.gate(x, masks, dense[4])) * layer.up(x, masks, dense[5])
+        return h + layer.down(mlp, masks, dense[6])
 
     def _choose(self, state: _State, logits: torch.Tensor, end_id: int, pad_id: int, stop: torch.Tensor) -> None:
         """Greedy choice and bookkeeping, all on the device (no host sync): as HF's greedy search does it --
@@ -354,8 +474,18 @@ class StaticDecoder:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                self._step(state, masks, ends)
+            # Blocks cached for ordinary allocations cannot be handed to the graph's pool while it captures
+            # (freeing them there is not allowed), so under a memory cap a capture runs out of memory unless
+            # the cache is emptied first -- as `torch.cuda.graph(...)` does, but without its garbage
+            # collection (~0.6 s a capture in the nightly profile).
+            torch.cuda.empty_cache()
+            with torch.cuda.stream(stream):
+                graph.capture_begin(self._graph_pool)
+                try:
+                    self._step(state, masks, ends)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
         except RuntimeError as exc:
             self.release()
             if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc):
@@ -388,10 +518,15 @@ class StaticDecoder:
         mixed = len(names) > 1
         stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=self.device)
         ends = (stop_ids[0], pad_id, stop)
+        started = time.perf_counter()
         state, replay = self._entry(bucket, length, adapters, mixed, ends)
         self._reset(state, rows, width, adapters if mixed else ())
+        prefill_at = time.perf_counter()
         first = self._prefill(state, rows, width, select, pad_id)
         self._choose(state, first, *ends)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # one wait per batch, so the phase times below are the GPU's
+        decode_at = time.perf_counter()
         steps = 1
         cut_short = False
         while steps < max_new:
@@ -403,12 +538,19 @@ class StaticDecoder:
             if deadline is not None and time.monotonic() >= deadline:
                 cut_short = True
                 break
-        return Decoded(
-            tokens=state.tokens[:n, :steps].cpu(),
-            logprobs=state.logprobs[:n, :steps].cpu(),
-            bad=state.bad[:n].cpu(),
+        cpu = torch.device("cpu")  # copies: on the CPU `.cpu()` would hand out views the next batch overwrites
+        result = Decoded(
+            tokens=state.tokens[:n, :steps].to(cpu, copy=True),
+            logprobs=state.logprobs[:n, :steps].to(cpu, copy=True),
+            bad=state.bad[:n].to(cpu, copy=True),
             cut_short=cut_short,  # only set while some row is unfinished
         )
+        done = time.perf_counter()
+        self.phase_s["setup"] += prefill_at - started  # graph captures included
+        self.phase_s["prefill"] += decode_at - prefill_at
+        self.phase_s["decode"] += done - decode_at
+        self.phase_s["decode_steps"] += steps
+        return result
 
     def _reset(self, state: _State, rows: Sequence[DecodeRow], width: int, mixed_adapters: tuple[str, ...]) -> None:
         """Fresh state for a batch: zeroed cache (stale or uninitialised slots must not hold NaNs: a masked
@@ -441,60 +583,88 @@ class StaticDecoder:
     def _prefill(
         self, state: _State, rows: Sequence[DecodeRow], width: int, select: AdapterSelect, pad_id: int
     ) -> torch.Tensor:
-        """The prompts in row chunks, their K/V into the static cache; returns the first tokens' logits.
+        """The prompts' K/V into the static cache; returns the first tokens' logits (float32, one per row).
 
-        Each chunk runs through the loop's own layer code (lean Python, K/V written straight into the cache);
-        if that ever fails on a device, the model's own forward takes over from then on (with a log line)."""
-        n = len(rows)
+        The loop's own layer code runs it (see `_prefill_own`); if that ever fails on a device, the model's own
+        forward takes over from then on (with a log line)."""
         logits = torch.zeros(state.rows, self.head.out_features, dtype=torch.float32, device=self.device)
+        if self.own_prefill:
+            try:
+                with _prefill_attention(self.device):
+                    self._prefill_own(state, rows, width, pad_id, logits)
+                return logits
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError:
+                log.exception("fast path: the loop's own prefill failed; using the model's forward from now on")
+                self.own_prefill = False
         chunk = max(1, self.prefill_tokens // max(1, width))
-        for start in range(0, n, chunk):
+        for start in range(0, len(rows), chunk):
             part = rows[start : start + chunk]
             ids, mask = left_pad([r.ids for r in part], pad_id, self.device, width)  # the whole batch's width
-            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as HF's generate derives them
-            rows_out = slice(start, start + len(part))
-            if self.own_prefill:
-                try:
-                    logits[rows_out] = self._prefill_own(state, start, part, ids, mask, positions)
-                    continue
-                except torch.OutOfMemoryError:
-                    raise
-                except RuntimeError:
-                    log.exception("fast path: the loop's own prefill failed; using the model's forward from now on")
-                    self.own_prefill = False
-            logits[rows_out] = self._prefill_model(state, start, part, ids, mask, positions, select)
+            where = slice(start, start + len(part))
+            logits[where] = self._prefill_model(state, where, part, ids, mask, _positions(mask), select)
         return logits
 
+    def _chunks(self, rows: Sequence[DecodeRow], width: int, pad_id: int) -> list[_Chunk]:
+        """Rows grouped by prompt length into chunks of about `prefill_tokens` tokens, each right-padded only to
+        its own longest prompt: causal attention then needs no mask (a real token never sees the padding after
+        it), so SDPA runs its flash kernel with grouped-query heads as they are."""
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].ids))
+        groups: list[list[int]] = [[]]
+        for i in order:  # ascending: the newcomer is the longest of its group
+            if groups[-1] and (len(groups[-1]) + 1) * len(rows[i].ids) > self.prefill_tokens:
+                groups.append([])
+            groups[-1].append(i)
+        return [self._chunk(rows, group, width, pad_id) for group in groups]
+
+    def _chunk(self, rows: Sequence[DecodeRow], group: list[int], width: int, pad_id: int) -> _Chunk:
+        lengths = [len(rows[i].ids) for i in group]
+        span = max(lengths)
+        ids = torch.full((len(group), span), pad_id, dtype=torch.long)
+        # Where each token's K/V goes: a row's real tokens right-aligned at the batch width (where its decode
+        # mask expects them), its padding into its own masked columns on the left (distinct slots, never read).
+        columns = torch.empty((len(group), span), dtype=torch.long)
+        steps = torch.arange(span)
+        for j, (i, n) in enumerate(zip(group, lengths, strict=True)):
+            ids[j, :n] = torch.tensor(rows[i].ids, dtype=torch.long)
+            columns[j] = torch.where(steps < n, width - n + steps, steps - n)
+        contiguous = group == list(range(group[0], group[0] + len(group)))
+        index = torch.tensor(group)
+        return _Chunk(
+            where=slice(group[0], group[0] + len(group)) if contiguous else to_device(index, self.device),
+            ids=to_device(ids, self.device),
+            rows=to_device(index[:, None], self.device),
+            columns=to_device(columns, self.device),
+            last=to_device(torch.tensor(lengths) - 1, self.device),
+            masks=self._row_masks([rows[i] for i in group]),
+        )
+
     def _prefill_own(
-        self,
-        state: _State,
-        start: int,
-        part: Sequence[DecodeRow],
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> torch.Tensor:
-        """One chunk through the decoder layers as HF computes them (same modules, same LoRA arithmetic as
-        PEFT), without PEFT's per-module Python or a dynamic cache to copy from."""
-        rows, width = ids.shape
-        masks = self._row_masks(part)
-        h = self.embed(ids)
-        cos, sin = self.rotary(h, positions)
-        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
-        attend = causal[None, None] & mask.bool()[:, None, None, :]
-        # A padding position attends to itself only: its (unused) state stays finite, and finite values under
-        # a zero attention weight cannot turn a real token's output into NaN.
-        attend |= torch.eye(width, dtype=torch.bool, device=self.device)[None, None]
+        self, state: _State, rows: Sequence[DecodeRow], width: int, pad_id: int, logits: torch.Tensor
+    ) -> None:
+        """Each chunk through the decoder layers as HF computes them (same modules, same LoRA arithmetic as
+        PEFT), without PEFT's per-module Python or a dynamic cache to copy from: K/V go straight into the
+        static cache, and 4-bit weights are dequantised by one op instead of bitsandbytes' Python path."""
         groups = self.heads // self.kv_heads
-        for layer, (k_cache, v_cache) in zip(self.layers, state.kv, strict=True):
-            q, k, v = self._qkv(layer, h, masks, cos, sin)
-            k_cache[start : start + rows, :, :width] = k
-            v_cache[start : start + rows, :, :width] = v
-            out = F.scaled_dot_product_attention(
-                q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=attend, scale=layer.scaling
-            )
-            h = self._rest(layer, h, out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim), masks)
-        return self.head(self.norm(h[:, -1:]))[:, 0].float()
+        for c in self._chunks(rows, width, pad_id):
+            h = self.embed(c.ids)
+            count, span = c.ids.shape
+            positions = torch.arange(span, device=self.device).expand(count, span)
+            cos, sin = self.rotary(h, positions)
+            for layer, (k_cache, v_cache) in zip(self.layers, state.kv, strict=True):
+                dense = layer.dense()
+                q, k, v = self._qkv(layer, h, c.masks, cos, sin, dense)
+                # (rows, kv_heads, span, D) -> the cache's (rows, span) slots: advanced indices put those first.
+                k_cache[c.rows, :, c.columns] = k.transpose(1, 2)
+                v_cache[c.rows, :, c.columns] = v.transpose(1, 2)
+                out = F.scaled_dot_product_attention(
+                    q, _repeat_kv(k, groups), _repeat_kv(v, groups), is_causal=True, scale=layer.scaling
+                )
+                attn = out.transpose(1, 2).reshape(count, span, self.heads * self.head_dim)
+                h = self._rest(layer, h, attn, c.masks, dense)
+            last = h[torch.arange(count, device=self.device), c.last]
+            logits[c.where] = self.head(self.norm(last)).float()
 
     def _row_masks(self, part: Sequence[DecodeRow]) -> Masks:
         """LoRA selection for a prefill chunk: no masks when every row uses one adapter (PEFT's arithmetic),
@@ -508,12 +678,12 @@ class StaticDecoder:
     def _adapter_mask(self, rows: Sequence[DecodeRow], name: str) -> torch.Tensor:
         """(rows, 1, 1): 1 where the row uses adapter `name`, else 0 -- multiplies that adapter's LoRA delta."""
         sel = [1.0 if r.adapter == name else 0.0 for r in rows]
-        return torch.tensor(sel, dtype=self.dtype, device=self.device).view(-1, 1, 1)
+        return to_device(torch.tensor(sel, dtype=self.dtype), self.device).view(-1, 1, 1)
 
     def _prefill_model(
         self,
         state: _State,
-        start: int,
+        where: slice,
         part: Sequence[DecodeRow],
         ids: torch.Tensor,
         mask: torch.Tensor,
@@ -527,13 +697,31 @@ class StaticDecoder:
             )
         width = ids.shape[1]
         for (k_cache, v_cache), (keys, values) in zip(state.kv, _cache_layers(out), strict=True):
-            k_cache[start : start + len(part), :, :width].copy_(keys)
-            v_cache[start : start + len(part), :, :width].copy_(values)
+            k_cache[where, :, :width].copy_(keys)
+            v_cache[where, :, :width].copy_(values)
         return out.logits[:, -1].float()
 
 
+def _prefill_attention(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """SDPA kernels for prefill on CUDA: flash (or memory-efficient), not cuDNN. cuDNN builds an execution
+    plan for every new (rows, length) shape, and prefill chunks come in many: on the H200 the nightly
+    benchmark's prefill took 16.8 s with cuDNN and 8.9 s without (a warmed-up 192-row batch: 0.5 s either
+    way)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows, as HF's generate derives them from the attention mask."""
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """(rows, kv_heads, T, D) -> (rows, heads, T, D), head j reading KV head j // groups (HF's repeat_kv)."""
+    """(rows, kv_heads, T, D) -> (rows, heads, T, D), head j reading KV head j // groups (HF's repeat_kv):
+    equal head counts keep every SDPA kernel eligible (a small copy per layer in prefill)."""
     if groups == 1:
         return x
     rows, kv_heads, length, dim = x.shape
