@@ -7,7 +7,9 @@ Reports (JSON + a row in bench/RESULTS.md + kernel tables beside the JSON):
    mixed batch), row by row: identical text, and the share of generated tokens before the first difference;
 2. ms per decode step at batch 1/64/256 (128-token prompts): (time for 1 + n new tokens - time for 1) / n,
    for both paths; the first call of each size is a warm-up (it captures the graph);
-3. a kernel-time profile of one eager HF decode step and one static step at the largest batch.
+3. prefill: prompt tokens per second for 192 nightly-like prompts (128-256 tokens), one new token each;
+4. kernel-time tables: HF generate, the loop without graphs, the loop with graphs (256 rows, 17 new tokens
+   each), and the prefill alone.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -92,15 +95,36 @@ def ms_per_step(engine: Engine, device: str, jobs: list[Job], sizes: list[int], 
     return out
 
 
+def prefill_rate(engine: Engine, device: str, jobs: list[Job]) -> dict[str, float]:
+    """Prompt tokens per second of one batch generating a single token (so: setup, prefill, outputs)."""
+    one = [replace(j, max_new_tokens=1) for j in jobs]
+    engine.run(one)  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    outs = engine.run(one)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    tokens = sum(o.prompt_tokens for o in outs)
+    out = {"rows": len(jobs), "prompt_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    print("prefill", out, flush=True)
+    return out
+
+
 def kernel_profile(engine: Engine, jobs: list[Job], out: Path, label: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     engine.run(jobs)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         engine.run(jobs)
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
-    (out / f"kernels-{label}.txt").write_text(table)
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(getattr(e, "device_time", 0.0) for e in kernels) / 1000
+    head = f"{label}: wall {1000 * wall:.1f} ms under the profiler, {len(kernels)} kernels, {busy:.1f} ms GPU busy\n"
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60)
+    (out / f"kernels-{label}.txt").write_text(head + table)
+    print(head, end="", flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -114,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--compute-dtype", default=None, help="float32 to check agreement without bf16 rounding")
     parser.add_argument("--exact-lora", action="store_true", help="PEFT's float32 LoRA arithmetic in the loop")
     parser.add_argument("--skip-eager", action="store_true", help="no eager ms/step and kernel table")
+    parser.add_argument("--skip-profiles", action="store_true", help="no kernel tables (agreement and timings only)")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     out_dir = Path(args.out)
@@ -151,9 +176,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["static_ms_per_step"] = ms_per_step(static, args.device, fixed, sizes, args.new_tokens)
     if not args.skip_eager:
         report["eager_ms_per_step"] = ms_per_step(eager, args.device, fixed, sizes, args.new_tokens)
+    nightly_like = jobs_from(specs[:192], "laya")  # 128-256-token prompts, as in bench nightly
+    report["prefill"] = prefill_rate(static, args.device, nightly_like)
     report["graphs_captured"] = sum(d.captures for d in static.decoders.values())
     if args.device.startswith("cuda"):
         report["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+    if args.device.startswith("cuda") and not args.skip_profiles:
         big = fixed[: max(sizes)]
         few = [Job(custom_id=j.custom_id, model=j.model, prompt=j.prompt, max_new_tokens=4) for j in big]
         if not args.skip_eager:
@@ -166,9 +194,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             decode="static",
             bases=eager.bases,
         )
+        kernel_profile(static, [replace(j, max_new_tokens=1) for j in nightly_like], out_dir, "prefill")
         # Decode-heavy (17 new tokens per row): the table is mostly the loop's decode step, run without graphs.
         steps = [Job(custom_id=j.custom_id, model=j.model, prompt=j.prompt, max_new_tokens=17) for j in big]
         kernel_profile(static_nograph, steps, out_dir, "static")
+        # The same with graphs (the profiler sees the kernels a replayed graph launches, where CUPTI allows).
+        kernel_profile(static, steps, out_dir, "graph")
     save_json(out_dir, "fastpath.json", report)
     st, ea, ag = report["static_ms_per_step"], report.get("eager_ms_per_step", {}), report["agreement"]
     steps = ", ".join(f"b{s}: {st[s]:.1f}" + (f" vs {ea[s]:.1f}" if s in ea else "") + " ms/step" for s in sizes)
@@ -181,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     append_results(
         f"| fastpath | {report['hardware']} | {args.shape} NF4 ({report['compute_dtype']} compute) + Kev r16/Laya r8 "
         f"(random weights) | static+graph (LoRA {report['lora']}) vs "
-        f"HF generate, 128-token prompts: {steps}; greedy agreement: {agree}{peak} | "
+        f"HF generate, 128-token prompts: {steps}; prefill {report['prefill']['tokens_per_s']:.0f} prompt tok/s "
+        f"(192 rows); greedy agreement: {agree}{peak} | "
         f"`python -m bench fastpath {' '.join(sys.argv[1:] if argv is None else argv)}` |",
         out_dir,
     )

@@ -80,6 +80,7 @@ def run_worker(redis: Redis, engine: Any, **settings: Any) -> tuple[BatchWorker,
 def nightly(redis: Redis, engine: Engine, jobs: list[dict[str, Any]], out_dir: Path, profile: bool) -> dict[str, Any]:
     client = Client(redis=redis)
     profiler = cProfile.Profile() if profile else None
+    phases_before = engine.phase_seconds()
     start = time.perf_counter()
     handle = client.submit_batch(jobs)
     submitted = time.perf_counter()
@@ -118,6 +119,8 @@ def nightly(redis: Redis, engine: Engine, jobs: list[dict[str, Any]], out_dir: P
         "peak_memory_bytes": st.peak_memory_bytes,
         "job_queued_s_mean": statistics.mean(queued) if queued else None,
         "job_engine_s_mean": statistics.mean(engine_s) if engine_s else None,
+        # Inside the engine: encode, outputs, and the static loop's setup/prefill/decode (+ its step count).
+        "engine_phases_s": {k: round(v - phases_before.get(k, 0), 3) for k, v in engine.phase_seconds().items()},
     }
     if profiler:
         text = io.StringIO()
@@ -338,6 +341,13 @@ def _row(r: dict[str, Any], argv: list[str]) -> str:
             f"{n['generated_tokens_per_s']:.0f} generated tok/s, {n['escalated']} escalated, {n['batches']} batches, "
             f"{n['switches']} switches, peak {n['peak_memory_bytes'] / MIB:.0f} MiB"
         )
+        ph = n.get("engine_phases_s", {})
+        if "prefill" in ph:
+            parts.append(
+                f"in the engine: prefill {ph['prefill']:.1f} s, decode {ph['decode']:.1f} s "
+                f"({ph['decode_steps']:.0f} steps), setup {ph['setup']:.1f} s, encode {ph.get('encode', 0):.1f} s, "
+                f"outputs {ph.get('outputs', 0):.1f} s"
+            )
     if "seed" in r:
         ratio = f": **{r['ratio_vs_seed']:.0f}x**" if "ratio_vs_seed" in r else ""
         parts.append(
