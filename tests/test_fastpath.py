@@ -140,6 +140,20 @@ def test_reused_buckets_stay_exact(pair: tuple[TokenRecorder, TokenRecorder]) ->
     assert len(decoder._graphs) >= 2  # entries per (rows bucket, length bucket, adapters)
 
 
+def test_a_captured_bucket_a_little_larger_serves_a_batch(pair: tuple[TokenRecorder, TokenRecorder]) -> None:
+    """With graphs, a batch runs in an existing entry of up to 1.5x its rows rather than capturing another."""
+    eager = pair[0]
+    static = TokenRecorder(eager.config, device="cpu", decode="static", bases=eager.bases)
+    decoder = next(iter(static.decoders.values()))
+    decoder.reuse_slack = 1.5
+    assert_same(eager, static, batch("kev", 20))  # bucket 24
+    entries = set(decoder._graphs)
+    assert_same(eager, static, batch("kev", 15))  # bucket 16: 24 <= 1.5 x 16 serves it, its extra rows idle
+    assert set(decoder._graphs) == entries
+    assert_same(eager, static, batch("kev", 7))  # bucket 8: 24 is too large, a new entry
+    assert len(decoder._graphs) == len(entries) + 1
+
+
 def test_deadline_fails_rows_it_cut_short(tiny_models: Path) -> None:
     engine = Engine(tiny_config(tiny_models, "none", kev_new=400), device="cpu", decode="static")
     jobs = batch("kev", 4)
