@@ -68,16 +68,21 @@ def test_prefill_through_the_models_forward_is_identical_too(pair: tuple[TokenRe
         decoder.own_prefill = True
 
 
+def _failing(message: str) -> Any:
+    """A stand-in for a loop method that raises what a device that cannot run it would."""
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(message)
+
+    return broken
+
+
 def test_a_failing_own_prefill_hands_over_to_the_models_forward(tiny_models: Path) -> None:
     config = tiny_config(tiny_models, "none")
     eager = TokenRecorder(config, device="cpu", decode="eager")
     static = TokenRecorder(config, device="cpu", decode="static", bases=eager.bases)
     decoder = next(iter(static.decoders.values()))
-
-    def broken(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("kernel not available")
-
-    decoder._prefill_own = broken
+    decoder._prefill_own = _failing("kernel not available")
     assert_same(eager, static, batch("kev", 5))
     assert decoder.own_prefill is False and static.decoders  # the loop itself carries on
 
@@ -179,11 +184,7 @@ def test_a_failing_loop_falls_back_to_hf_generate(tiny_models: Path, caplog: pyt
     eager = Engine(config, device="cpu", decode="eager")
     static = Engine(config, device="cpu", decode="static", bases=eager.bases)
     decoder = next(iter(static.decoders.values()))
-
-    def broken(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("capture refused")
-
-    decoder.decode = broken
+    decoder.decode = _failing("capture refused")
     jobs = batch("laya", 3)
     with caplog.at_level(logging.ERROR, logger="kevlaya.engine"):
         outs = static.run(jobs)

@@ -649,11 +649,11 @@ class StaticDecoder:
             ids[j, :n] = torch.tensor(rows[i].ids, dtype=torch.long)
             columns[j] = torch.where(steps < n, width - n + steps, steps - n)
         contiguous = group == list(range(group[0], group[0] + len(group)))
-        index = torch.tensor(group)
+        index = to_device(torch.tensor(group)[:, None], self.device)
         return _Chunk(
-            where=slice(group[0], group[0] + len(group)) if contiguous else to_device(index, self.device),
+            where=slice(group[0], group[0] + len(group)) if contiguous else index[:, 0],
             ids=to_device(ids, self.device),
-            rows=to_device(index[:, None], self.device),
+            rows=index,
             columns=to_device(columns, self.device),
             last=to_device(torch.tensor(lengths) - 1, self.device),
             masks=self._row_masks([rows[i] for i in group]),
