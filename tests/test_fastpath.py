@@ -255,7 +255,7 @@ def test_unsupported_architectures_are_named() -> None:
 
 
 def test_buckets() -> None:
-    assert [row_bucket(n) for n in (1, 3, 5, 17, 200, 512)] == [1, 4, 8, 24, 224, 512]
+    assert [row_bucket(n) for n in (1, 3, 5, 17, 65, 200, 257, 512)] == [1, 4, 8, 24, 80, 208, 288, 512]
     assert row_bucket(600) == 600  # past the table: the batch as it is
     assert [length_bucket(n) for n in (1, 64, 65, 300)] == [64, 64, 128, 320]
 
@@ -277,6 +277,9 @@ def test_static_plan_fits_more_rows_and_a_whole_bucket() -> None:
     assert static.max_rows > eager.max_rows  # prefill activations are one chunk's, not every row's
     assert static.free_bytes < eager.free_bytes  # ...which is reserved up front
     assert static.bytes_per_row * static.max_rows <= static.free_bytes
+    # The loop's own prefill (flash attention, no score matrix) reserves less per chunk: more rows fit.
+    flash = plan_batch(shape, **common, prefill_chunk_tokens=4096, cache_tokens=length_bucket(288), flash_prefill=True)
+    assert flash.free_bytes > static.free_bytes and flash.max_rows >= static.max_rows
 
 
 def test_engine_plan_rounds_down_to_a_bucket(tiny_models: Path) -> None:
@@ -288,7 +291,7 @@ def test_engine_plan_rounds_down_to_a_bucket(tiny_models: Path) -> None:
 def test_the_take_follows_the_prompt_lengths_last_seen(tiny_models: Path) -> None:
     """After a batch of long prompts the worker takes fewer rows, so its next take is not split in two."""
     engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static", memory_budget_bytes=GIB)
-    engine.memory_budget_bytes = engine.resident_bytes + RESERVE_BYTES + 128 * MIB  # a plan below the row cap
+    engine.memory_budget_bytes = engine.resident_bytes + RESERVE_BYTES + 48 * MIB  # a plan below the row cap
     before = engine.max_rows("kev")
     engine.run([Job(custom_id="long", model="kev", prompt="loan income debt " * 150, max_new_tokens=1)])
     longest = engine._longest_prompt["kev"]
@@ -357,3 +360,113 @@ def test_4bit_weights_without_bitsandbytes_python_match_its_dequantisation(neste
     torch.testing.assert_close(proj.dense(), reference, rtol=0, atol=0)
     torch.testing.assert_close(proj(x, [], proj.dense()), want, rtol=0, atol=0)
     torch.testing.assert_close(proj(x, []), want, rtol=1e-6, atol=1e-6)
+
+
+def _two_lora_linears(dtype: torch.dtype) -> tuple[Any, Any]:
+    """Two PEFT LoRA linears reading one input (as q and k do), each with Kev and Laya adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    net = torch.nn.ModuleDict({"a": torch.nn.Linear(32, 48), "b": torch.nn.Linear(32, 16)}).to(dtype)
+    model = get_peft_model(net, LoraConfig(r=8, lora_alpha=32, target_modules=["a", "b"]), adapter_name="kev")
+    model.add_adapter("laya", LoraConfig(r=4, lora_alpha=4, target_modules=["a", "b"]))
+    layers = model.base_model.model["a"], model.base_model.model["b"]
+    for layer in layers:
+        for name in ("kev", "laya"):
+            layer.lora_A[name].float()
+            layer.lora_B[name].float()
+            torch.nn.init.normal_(layer.lora_B[name].weight, std=0.1)
+    return layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_joined_projections_compute_what_each_does_alone(dtype: torch.dtype) -> None:
+    """q/k/v (and gate/up) as one matmul over concatenated weights, LoRA stacked and block-diagonal: each
+    member's output as when it runs alone, for one adapter and for a per-row mixed batch."""
+    from worker.fastpath import _Group, _Proj
+
+    layers = _two_lora_linears(dtype)
+    x = torch.randn(4, 3, 32).to(dtype)
+    mask_kev = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=dtype).view(4, 1, 1)
+    cases = [[("kev", None)], [("laya", None)], [("kev", mask_kev), ("laya", 1 - mask_kev)], []]
+    with torch.no_grad():
+        alone = _Group.separate([_Proj(layer, dtype) for layer in layers])
+        want = [alone(x, masks)[0] for masks in cases]
+        peft_before = [layer(x) for layer in layers]
+        joint = _Group([_Proj(layer, dtype) for layer in layers], dtype)
+        assert joint.joint is not None and bool(joint.lora) == (dtype != torch.float32)
+        for masks, expected in zip(cases, want, strict=True):
+            got, whole = joint(x, masks)
+            for g, w in zip(got, expected, strict=True):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+            assert (whole is not None) == bool(joint.lora)
+        # The members' weights are views of the joint buffer, and PEFT's own forward is unchanged.
+        start = joint.joint.weight.data_ptr()
+        assert [layer.base_layer.weight.data_ptr() for layer in layers] == [start, start + 48 * 32 * x.element_size()]
+        for layer, before in zip(layers, peft_before, strict=True):
+            torch.testing.assert_close(layer(x), before, rtol=0, atol=0)
+
+
+def test_joined_4bit_weights_dequantise_as_each_alone() -> None:
+    import bitsandbytes as bnb
+
+    from worker.fastpath import _Group, _Proj, float_absmax
+
+    torch.manual_seed(0)
+    layers, refs = [], []
+    for out in (48, 16, 16):
+        layer = bnb.nn.Linear4bit(64, out, bias=True, compute_dtype=torch.float32, compress_statistics=True)
+        layer.load_state_dict({"weight": torch.randn(out, 64), "bias": torch.randn(out)})
+        layer = layer.to("cpu")
+        refs.append(bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state).float())
+        layers.append(layer)
+    projs = [_Proj(layer, torch.float32) for layer in layers]
+    for p in projs:
+        p._absmax = float_absmax(p.base.weight.quant_state)  # what the loop keeps for a GPU layer
+    group = _Group(projs, torch.float32)
+    assert group.joint is not None
+    (dense,) = group.dense()
+    torch.testing.assert_close(dense, torch.cat(refs), rtol=0, atol=0)
+    x = torch.randn(5, 2, 64)
+    parts, _ = group(x, [], (dense,))
+    for part, ref, layer in zip(parts, refs, layers, strict=True):
+        torch.testing.assert_close(part, torch.nn.functional.linear(x, ref, layer.bias), rtol=1e-6, atol=1e-6)
+    # Each member still dequantises to its own weight from its view of the joint buffer.
+    for p, ref in zip(projs, refs, strict=True):
+        torch.testing.assert_close(p.dense(), ref, rtol=0, atol=0)
+
+
+def test_joined_projections_decode_token_for_token_as_separate_ones(tiny_models: Path) -> None:
+    """In bfloat16 (where the loop fuses LoRA in the compute dtype and joins it): the same tokens and
+    log-probabilities with the joint matmuls as with each projection alone, for Kev, Laya and mixed rows."""
+    from worker.fastpath import StaticDecoder
+
+    path = tiny_models / "models-bf16.toml"
+    path.write_text(tiny_config(tiny_models, "none").path.read_text().replace('"float32"', '"bfloat16"'))
+    from worker.config import load_config
+
+    engine = Engine(load_config(path), device="cpu", decode="static")
+    (base,), (joint,) = engine.bases.values(), engine.decoders.values()
+    separate = StaticDecoder(base.model, torch.device("cpu"), use_graphs=False, join_projections=False)
+    assert joint.layers[0].qkv.joint is not None and separate.layers[0].qkv.joint is None
+    for adapters in (["kev"], ["laya"], ["kev", "laya"]):
+        ids = [base.tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(5)]
+        rows = [DecodeRow(ids=r, max_new=6, adapter=adapters[i % len(adapters)]) for i, r in enumerate(ids)]
+        kw = {"stop_ids": [-1], "pad_id": base.tokenizer.pad_token_id, "select": lambda n: engine._adapters(base, n)}
+        a, b = joint.decode(rows, **kw), separate.decode(rows, **kw)
+        assert torch.equal(a.tokens, b.tokens)
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=0)
+
+
+def test_warm_up_leaves_nothing_behind(pair: tuple[TokenRecorder, TokenRecorder]) -> None:
+    """The start-up warm-up (run on CUDA; here called by hand) decodes every model and a mixed batch, then
+    drops its graphs and cache: no phase times, no prompt history, and the next batch as exact as ever."""
+    eager, static = pair
+    history = dict(static._longest_prompt)
+    (decoder,) = static.decoders.values()
+    captures = decoder.captures
+    static.warm_up()
+    assert not decoder.holds_memory() and not decoder.phase_s
+    assert static._longest_prompt == history  # the take is sized by real jobs only
+    assert decoder.captures == captures  # no graphs on the CPU; the loop ran without them
+    assert_same(eager, static, batch("mixed", 5))

@@ -28,7 +28,15 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from shared.errors import INPUT_TOO_LONG, INTERNAL, NON_FINITE_LOGITS, OUT_OF_MEMORY, TIMEOUT, JobFailure
 from shared.job import Job
 from worker.config import EscalationRule, ModelsConfig, ModelSpec
-from worker.fastpath import ROW_BUCKETS, DecodeRow, StaticDecoder, left_pad, length_bucket, unsupported_reason
+from worker.fastpath import (
+    ROW_BUCKETS,
+    DecodeRow,
+    StaticDecoder,
+    left_pad,
+    length_bucket,
+    row_bucket,
+    unsupported_reason,
+)
 from worker.loading import LoadedBase, load_all
 from worker.memory import DTYPE_BYTES, BatchPlan, plan_batch
 from worker.outputs import RowOutput
@@ -92,6 +100,39 @@ class Engine:
             if decoder is not None:
                 self.decoders[name] = decoder
         self.resident_bytes = self._resident_bytes()  # after the loops: they keep float32 4-bit scales resident
+        if self.device.type == "cuda":
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """One tiny batch per model (and per mixed pair) through each static loop, then its graphs and cache
+        dropped. A GPU's first use of a kernel loads it, and cuBLAS/bitsandbytes set up on their first call:
+        on the H200 that made the first real batch's setup 1.6 s instead of ~0.2 s. Paid here, at start,
+        not by the first jobs."""
+        started = time.perf_counter()
+        for base_name, decoder in self.decoders.items():
+            base = self.bases[base_name]
+            models = [m for m, spec in self.config.models.items() if spec.base == base_name]
+            adapters = [base.adapters.get(m) for m in models]
+            groups = [[a] for a in dict.fromkeys(adapters)] + ([adapters] if len(set(adapters)) > 1 else [])
+            rows = row_bucket(max(self.max_rows(m) for m in models))
+            for names in groups:
+                # A prefill chunk's worth of tokens over the largest take, two decode steps: the kernels a
+                # real batch of that size uses (matmul shapes follow the rows and the chunk's tokens).
+                width = max(1, min(64, decoder.prefill_tokens // rows))
+                token = base.tokenizer.eos_token_id or 0
+                batch = [DecodeRow(ids=[token] * width, max_new=2, adapter=names[i % len(names)]) for i in range(rows)]
+                decoder.decode(
+                    batch,
+                    stop_ids=self._stop_ids(base),
+                    pad_id=base.tokenizer.pad_token_id,
+                    select=lambda n, base=base: self._adapters(base, n),
+                )
+            decoder.release()
+            decoder.phase_s.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        log.info("decode: warmed up in %.1f s", time.perf_counter() - started)
 
     def _static_decoder(self, name: str, base: LoadedBase, decode: str) -> StaticDecoder | None:
         if decode == "eager":
@@ -142,6 +183,7 @@ class Engine:
             # The static loop prefills in chunks and keeps a cache of whole length buckets.
             prefill_chunk_tokens=decoder.prefill_tokens if decoder else None,
             cache_tokens=length_bucket(inputs + new) if decoder else None,
+            flash_prefill=decoder is not None and decoder.own_prefill,
         )
         if decoder is None or plan.max_rows in ROW_BUCKETS:
             return plan

@@ -40,14 +40,20 @@ import torch.nn.functional as F
 log = logging.getLogger("kevlaya.fastpath")
 
 ARCHITECTURES = ("qwen2", "llama", "mistral")
-# Rows are padded up to one of these, so a handful of graphs serve every batch size.
-ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# Rows are padded up to one of these, so a handful of graphs serve every batch size. Steps of 16 from 64 to
+# 256: the memory plan is rounded down to one, and a take cut at 192 where 214 fit cost a whole extra batch.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, *range(64, 257, 16), 288, 320, 352, 384, 448, 512)
 LENGTH_QUANTUM = 64  # cache lengths are multiples of this (aligned SDPA masks, few distinct graphs)
 MAX_GRAPHS = 12  # captured graphs kept (least recently used dropped); each pins its static buffers
+GroupDense = tuple[torch.Tensor | None, ...]
 Masks = list[tuple[str, torch.Tensor | None]]  # (adapter, per-row 0/1 mask or None: every row) per LoRA delta
 AdapterSelect = Callable[[Sequence[str | None]], contextlib.AbstractContextManager[dict[str, Any]]]
-Dense = tuple[torch.Tensor | None, ...]  # per projection of a layer (q k v o gate up down): a ready weight, or None
-NO_DENSE: Dense = (None,) * 7
+# Per layer: the q/k/v group's ready weights, o's, the gate/up group's, down's (a group: one joint weight or one
+# per member; None: that base layer runs itself).
+Dense = tuple[
+    tuple[torch.Tensor | None, ...], torch.Tensor | None, tuple[torch.Tensor | None, ...], torch.Tensor | None
+]
+NO_DENSE: Dense = ((), None, (), None)
 
 
 @dataclass(frozen=True)
@@ -220,22 +226,23 @@ class _Proj:
         return out.to(x.dtype)
 
     def __call__(self, x: torch.Tensor, masks: Masks, dense: torch.Tensor | None = None) -> torch.Tensor:
+        return self.add_lora(self.base_out(x, dense), x, masks)
+
+    def base_out(self, x: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
         if dense is not None:
             bias = self.base.bias
-            result = F.linear(x.to(dense.dtype), dense, None if bias is None else bias.to(dense.dtype)).to(x.dtype)
-        elif self._absmax is not None:
-            result = self._4bit(x)
-        else:
-            result = self.base(x)
+            return F.linear(x.to(dense.dtype), dense, None if bias is None else bias.to(dense.dtype)).to(x.dtype)
+        if self._absmax is not None:
+            return self._4bit(x)
+        return self.base(x)
+
+    def add_lora(self, result: torch.Tensor, x: torch.Tensor, masks: Masks) -> torch.Tensor:
+        """`result` (this projection's base output) plus each adapter's delta, masked per row when mixed."""
         out_dtype = result.dtype
         for name, mask in masks:
             if name in self.fused:
                 a, b = self.fused[name]
-                low = F.linear(x, a)
-                if mask is not None:
-                    low = low * mask
-                flat = torch.addmm(result.reshape(-1, result.shape[-1]), low.reshape(-1, low.shape[-1]), b.t())
-                result = flat.view(result.shape)
+                result = _fused_delta(result, x, a, b, mask)
                 continue
             lora = self.lora.get(name)
             if lora is None:
@@ -249,21 +256,183 @@ class _Proj:
         return result.to(out_dtype)
 
 
+def _fused_delta(
+    result: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """result + mask * (x A^T) B^T in two kernels (`linear`, then `addmm` adding into the result)."""
+    low = F.linear(x, a)
+    if mask is not None:
+        low = low * mask
+    flat = torch.addmm(result.reshape(-1, result.shape[-1]), low.reshape(-1, low.shape[-1]), b.t())
+    return flat.view(result.shape)
+
+
+class _Group:
+    """Projections of one input (q/k/v; gate/up) as one matmul: their weights concatenated along the output
+    dimension. A decode step then launches one 4-bit dequantise-and-matmul where it launched three, and
+    prefill dequantises once per group, not per projection; the outputs are views of the joint result.
+
+    The members' own weights become views of the joint buffer (no second copy in memory), so PEFT's forward
+    -- the fallback paths -- reads the same bytes. 4-bit weights join when they share block size, type and
+    compute dtype: 4-bit blocks never straddle two matrices (each holds a multiple of 64 weights), so the
+    joint dequantisation gives the members' values element for element. LoRA deltas join too where the loop
+    fuses them (compute-dtype copies): A's stacked, B block-diagonal, so one `linear` + `addmm` per adapter
+    serves the group; elsewhere each member adds PEFT's exact delta to its slice."""
+
+    def __init__(self, projs: list[_Proj], dtype: torch.dtype) -> None:
+        self.projs = projs
+        self.sizes = [p.base.out_features for p in projs]
+        self.joint = _join_bases(projs, dtype) if len(projs) > 1 else None
+        self.lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        names = set(projs[0].fused)
+        if self.joint is not None and names and all(set(p.fused) == names and not p.lora.keys() - names for p in projs):
+            with torch.no_grad():
+                for name in names:
+                    self.lora[name] = (torch.cat([p.fused[name][0] for p in projs]), _block_diagonal(
+                        [p.fused[name][1] for p in projs]))  # fmt: skip
+            for p in projs:
+                p.fused = {}  # the joint copies replace them
+
+    @classmethod
+    def separate(cls, projs: list[_Proj]) -> _Group:
+        """The members run one by one (to compare against the joint matmul)."""
+        group = cls.__new__(cls)
+        group.projs, group.sizes, group.joint, group.lora = projs, [p.base.out_features for p in projs], None, {}
+        return group
+
+    def dense(self) -> GroupDense:
+        if self.joint is not None:
+            return (self.joint.dense(),)
+        return tuple(p.dense() for p in self.projs)
+
+    def __call__(
+        self, x: torch.Tensor, masks: Masks, dense: GroupDense = ()
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Each member's output, and the joint output they are views of (None: members ran separately)."""
+        if self.joint is None:
+            dense = dense or (None,) * len(self.projs)
+            return [p(x, masks, d) for p, d in zip(self.projs, dense, strict=True)], None
+        joint = self.joint.base_out(x, dense[0] if dense else None)
+        if self.lora:
+            for name, mask in masks:
+                a, b = self.lora[name]
+                joint = _fused_delta(joint, x, a, b, mask)
+            return list(joint.split(self.sizes, dim=-1)), joint
+        parts = joint.split(self.sizes, dim=-1)
+        return [p.add_lora(part, x, masks) for p, part in zip(self.projs, parts, strict=True)], None
+
+
+def _block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """(sum out, sum r) with each (out_i, r_i) block on the diagonal: the stacked low-rank inputs of one
+    member only reach that member's outputs (the zeros add exactly nothing)."""
+    out = blocks[0].new_zeros(sum(b.shape[0] for b in blocks), sum(b.shape[1] for b in blocks))
+    row = col = 0
+    for b in blocks:
+        out[row : row + b.shape[0], col : col + b.shape[1]] = b
+        row, col = row + b.shape[0], col + b.shape[1]
+    return out
+
+
+class _JointBase:
+    """The concatenated base weights of a `_Group`, as a `_Proj` runs its base layer (4-bit or plain)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: dict[str, Any] | None) -> None:
+        self.weight, self.bias, self.quant = weight, bias, quant
+
+    def dense(self) -> torch.Tensor:
+        if self.quant is None:
+            return self.weight
+        q = self.quant
+        return torch.ops.bitsandbytes.dequantize_4bit.default(
+            self.weight, q["absmax"], q["blocksize"], q["quant_type"], q["shape"], q["dtype"]
+        )
+
+    def base_out(self, x: torch.Tensor, dense: torch.Tensor | None) -> torch.Tensor:
+        if dense is None and self.quant is not None:
+            q = self.quant
+            out = torch.ops.bitsandbytes.gemm_4bit.default(
+                x.to(q["dtype"]), self.weight, q["shape"], q["absmax"], q["blocksize"], q["quant_type"], bias=self.bias
+            )
+            return out.to(x.dtype)
+        weight = self.weight if dense is None else dense
+        return F.linear(x.to(weight.dtype), weight, self.bias).to(x.dtype)
+
+
+@torch.no_grad()
+def _join_bases(projs: list[_Proj], dtype: torch.dtype) -> _JointBase | None:
+    """One buffer for the members' base weights (and biases), the members' weights rebound to views of it;
+    None where they cannot join (4-bit on the CPU, mixed layouts or dtypes, a base layer of another kind)."""
+    bases = [p.base for p in projs]
+    states = [getattr(b.weight, "quant_state", None) for b in bases]
+    if len({b.in_features for b in bases}) != 1:
+        return None
+    if all(s is None for s in states):
+        if not all(isinstance(b, torch.nn.Linear) and b.weight.dtype == dtype for b in bases):
+            return None
+        weight = torch.cat([b.weight.data for b in bases])
+        _rebind([b.weight for b in bases], weight)
+        return _JointBase(weight, _joint_bias(bases, dtype), None)
+    if any(s is None for s in states) or any(p._absmax is None for p in projs):
+        return None
+    compute = {getattr(b, "compute_dtype", None) or dtype for b in bases}
+    layouts = {(s.blocksize, s.quant_type) for s in states}
+    if len(compute) != 1 or len(layouts) != 1 or any(math.prod(s.shape) % s.blocksize for s in states):
+        return None
+    (blocksize, quant_type), (compute_dtype,) = layouts.pop(), compute
+    weight = torch.cat([b.weight.data.reshape(-1) for b in bases]).view(-1, 1)
+    _rebind([b.weight for b in bases], weight)
+    absmax = torch.cat([p._absmax for p in projs])
+    for p, view in zip(projs, _views(absmax, [p._absmax.numel() for p in projs]), strict=True):
+        if p._absmax is p.base.weight.quant_state.absmax:
+            p.base.weight.quant_state.absmax = view  # plain (not nested) scales: bitsandbytes' own, shared
+        p._absmax = view
+    shape = [sum(s.shape[0] for s in states), states[0].shape[1]]
+    quant = {"absmax": absmax, "blocksize": blocksize, "quant_type": quant_type, "shape": shape, "dtype": compute_dtype}
+    return _JointBase(weight, _joint_bias(bases, compute_dtype), quant)
+
+
+def _joint_bias(bases: list[torch.nn.Module], dtype: torch.dtype) -> torch.Tensor | None:
+    if all(b.bias is None for b in bases):
+        return None
+    return torch.cat([
+        b.bias.to(dtype) if b.bias is not None else torch.zeros(b.out_features, dtype=dtype, device=b.weight.device)
+        for b in bases
+    ])  # fmt: skip
+
+
+def _views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    return list(flat.split(sizes))
+
+
+def _rebind(params: list[torch.Tensor], joint: torch.Tensor) -> None:
+    """Each parameter's data becomes its slice of `joint` (same shape): one copy of the weights in memory."""
+    offset = 0
+    for param in params:
+        n = param.data.numel()
+        param.data = joint.reshape(-1)[offset : offset + n].view(param.data.shape)
+        offset += n
+
+
 class _Layer:
-    def __init__(self, layer: torch.nn.Module, dtype: torch.dtype, fuse: bool) -> None:
+    def __init__(self, layer: torch.nn.Module, dtype: torch.dtype, fuse: bool, join: bool = True) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
-        self.q, self.k, self.v, self.o = (
-            _Proj(getattr(attn, n), dtype, fuse=fuse) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
-        )
-        self.gate, self.up, self.down = (
-            _Proj(getattr(mlp, n), dtype, fuse=fuse) for n in ("gate_proj", "up_proj", "down_proj")
-        )
+
+        def group(module: torch.nn.Module, *names: str) -> _Group:
+            projs = [_Proj(getattr(module, n), dtype, fuse=fuse) for n in names]
+            if join:
+                return _Group(projs, dtype)
+            return _Group.separate(projs)
+
+        self.qkv = group(attn, "q_proj", "k_proj", "v_proj")
+        self.o = _Proj(attn.o_proj, dtype, fuse=fuse)
+        self.gate_up = group(mlp, "gate_proj", "up_proj")
+        self.down = _Proj(mlp.down_proj, dtype, fuse=fuse)
         self.act = mlp.act_fn
         self.scaling = float(attn.scaling)
 
     def dense(self) -> Dense:
-        return tuple(p.dense() for p in (self.q, self.k, self.v, self.o, self.gate, self.up, self.down))
+        return (self.qkv.dense(), self.o.dense(), self.gate_up.dense(), self.down.dense())
 
 
 class _State:
@@ -311,6 +480,7 @@ class StaticDecoder:
         check_every: int = 8,
         prefill_tokens: int = 4096,
         fuse_lora: bool = True,
+        join_projections: bool = True,
     ) -> None:
         self.model = model  # what prefill calls (the PEFT wrapper, so adapters apply)
         lm = _causal_lm(model)
@@ -326,7 +496,9 @@ class StaticDecoder:
         self.head = lm.lm_head
         self.dtype = self.embed.weight.dtype
         # fuse_lora=False keeps PEFT's float32 LoRA arithmetic in bf16/fp16 models too (slower; for comparisons).
-        self.layers = [_Layer(layer, self.dtype, fuse_lora) for layer in lm.model.layers[: cfg.num_hidden_layers]]
+        # join_projections=False runs q/k/v and gate/up as separate matmuls (for comparisons).
+        layers = lm.model.layers[: cfg.num_hidden_layers]
+        self.layers = [_Layer(layer, self.dtype, fuse_lora, join_projections) for layer in layers]
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
@@ -401,11 +573,13 @@ class StaticDecoder:
         """(rows, heads, T, D) queries and (rows, kv_heads, T, D) keys/values, rotary applied, as HF does."""
         rows, width = h.shape[:2]
         x = layer.norm1(h)
-        q = layer.q(x, masks, dense[0]).view(rows, width, self.heads, self.head_dim)
-        k = layer.k(x, masks, dense[1]).view(rows, width, self.kv_heads, self.head_dim)
-        v = layer.v(x, masks, dense[2]).view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
-        # HF's apply_rotary_pos_emb, element for element, on queries and keys together (half the kernels).
-        qk = torch.cat((q, k), dim=2).transpose(1, 2)
+        (q, k, v), joint = layer.qkv(x, masks, dense[0])
+        v = v.reshape(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        # HF's apply_rotary_pos_emb, element for element, on queries and keys together (half the kernels):
+        # adjacent in the joint output, they need no concatenation.
+        qk_width = (self.heads + self.kv_heads) * self.head_dim
+        qk = joint[..., :qk_width] if joint is not None else torch.cat((q, k), dim=-1)
+        qk = qk.view(rows, width, self.heads + self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         half = self.head_dim // 2
         rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
@@ -417,10 +591,10 @@ class StaticDecoder:
         layer: _Layer, h: torch.Tensor, attn: torch.Tensor, masks: Masks, dense: Dense = NO_DENSE
     ) -> torch.Tensor:
         """The layer after attention: output projection and residual, then the MLP and its residual."""
-        h = h + layer.o(attn, masks, dense[3])
+        h = h + layer.o(attn, masks, dense[1])
         x = layer.norm2(h)
-        mlp = layer.act(layer.gate(x, masks, dense[4])) * layer.up(x, masks, dense[5])
-        return h + layer.down(mlp, masks, dense[6])
+        (gate, up), _ = layer.gate_up(x, masks, dense[2])
+        return h + layer.down(layer.act(gate) * up, masks, dense[3])
 
     def _choose(self, state: _State, logits: torch.Tensor, end_id: int, pad_id: int, stop: torch.Tensor) -> None:
         """Greedy choice and bookkeeping, all on the device (no host sync): as HF's greedy search does it --
@@ -512,6 +686,7 @@ class StaticDecoder:
                 raise torch.OutOfMemoryError(f"out of memory while capturing a decode graph: {exc}") from exc
             raise
         self.captures += 1
+        self.phase_s["captures"] += 1
         return graph
 
     # ---- one batch ---------------------------------------------------------------------------
@@ -569,6 +744,11 @@ class StaticDecoder:
         self.phase_s["prefill"] += decode_at - prefill_at
         self.phase_s["decode"] += done - decode_at
         self.phase_s["decode_steps"] += steps
+        log.debug(
+            "batch rows=%d bucket=%d length=%d width=%d steps=%d setup=%.3fs prefill=%.3fs decode=%.3fs captures=%d",
+            n, state.rows, length, width, steps, prefill_at - started, decode_at - prefill_at, done - decode_at,
+            self.captures,
+        )  # fmt: skip
         return result
 
     def _reset(self, state: _State, rows: Sequence[DecodeRow], width: int, mixed_adapters: tuple[str, ...]) -> None:

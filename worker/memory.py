@@ -118,12 +118,14 @@ def plan_batch(
     max_rows_cap: int = 512,
     prefill_chunk_tokens: int | None = None,
     cache_tokens: int | None = None,
+    flash_prefill: bool = False,
 ) -> BatchPlan:
     """The largest number of rows of `input_tokens + new_tokens` that fits in what the budget leaves.
 
     With `prefill_chunk_tokens` (the static decode loop), prompts are prefilled in chunks of that many tokens:
     prefill activations are one fixed chunk's, not a per-row cost, and each row keeps `cache_tokens` of KV
-    (allocated exactly, so planned without the safety margin the estimates get)."""
+    (allocated exactly, so planned without the safety margin the estimates get). `flash_prefill`: the loop's
+    own prefill, whose unmasked causal attention never builds a score matrix (flash / memory-efficient)."""
     free = budget_bytes - resident_bytes - RESERVE_BYTES
     kv = shape.kv_bytes_per_token(dtype_bytes)
     if prefill_chunk_tokens is None:
@@ -133,15 +135,12 @@ def plan_batch(
     else:
         chunk_rows = max(1, prefill_chunk_tokens // max(1, input_tokens))
         chunk = prefill_chunk_tokens * (kv + shape.prefill_bytes_per_token(dtype_bytes))
-        chunk += chunk_rows * shape.attention_bytes_per_row(input_tokens)
+        if not flash_prefill:
+            chunk += chunk_rows * shape.attention_bytes_per_row(input_tokens)
         free -= int(chunk * SAFETY_FACTOR)
         # The loop allocates its cache exactly (rows x cache_tokens), and the float32 first-token logits the
         # prefill hands over: no margin on those, only on the estimated decode temporaries.
         exact = (cache_tokens or input_tokens + new_tokens) * kv + shape.vocab * 4
         per_row = exact + int(shape.decode_bytes_per_row() * SAFETY_FACTOR)
-    rows = max(0, min(max_rows_cap, free // per_row)) if free > 0 else 0
-    return BatchPlan(max_rows=int(rows), kv_bytes_per_token=kv, bytes_per_row=int(per_row), free_bytes=int(free))
-    per_row += shape.decode_bytes_per_row()
-    per_row = int(per_row * SAFETY_FACTOR)
     rows = max(0, min(max_rows_cap, free // per_row)) if free > 0 else 0
     return BatchPlan(max_rows=int(rows), kv_bytes_per_token=kv, bytes_per_row=int(per_row), free_bytes=int(free))
