@@ -19,6 +19,7 @@ import argparse
 import cProfile
 import gc
 import io
+import logging
 import os
 import pstats
 import random
@@ -277,7 +278,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--decode", default="auto", choices=["auto", "eager", "static"], help="decode path")
     parser.add_argument("--profile", action="store_true", help="cProfile the nightly drain (written beside the JSON)")
     parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--verbose", action="store_true", help="log each batch of the decode loop (rows, phases)")
     args = parser.parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d %(name)s %(message)s")
+        logging.getLogger("kevlaya.fastpath").setLevel(logging.DEBUG)
+        logging.getLogger("kevlaya.engine").setLevel(logging.INFO)
     skip = set(filter(None, args.skip.split(",")))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

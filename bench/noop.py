@@ -19,6 +19,9 @@ class NoopEngine:
     def max_rows(self, model: str) -> int:
         return 256
 
+    def expect(self, job: Job) -> None:
+        pass
+
     def model_version(self, model: str) -> dict[str, str]:
         return {"base": "noop"}
 

@@ -301,6 +301,19 @@ def test_the_take_follows_the_prompt_lengths_last_seen(tiny_models: Path) -> Non
     assert engine.max_rows("kev") == before  # never planned below the typical prompt
 
 
+def test_an_expected_follow_up_sizes_its_models_take(tiny_models: Path) -> None:
+    engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static", memory_budget_bytes=GIB)
+    engine.memory_budget_bytes = engine.resident_bytes + RESERVE_BYTES + 48 * MIB  # a plan below the row cap
+    before = engine.max_rows("kev")
+    engine.expect(Job(custom_id="f", model="kev", prompt="loan income debt " * 150))
+    assert engine._longest_prompt["kev"] > 256
+    assert engine.max_rows("kev") < before
+    engine.expect(Job(custom_id="short", model="kev", prompt="hi"))  # never lowers what is expected
+    assert engine.max_rows("kev") < before
+    engine.expect(Job(custom_id="long", model="laya", prompt="x " * 5000))  # too long: fails when it runs
+    assert "laya" not in engine._longest_prompt
+
+
 def _lora_linear(dtype: torch.dtype) -> Any:
     """A PEFT LoRA linear with two adapters (ranks 8 and 4, different scales) on a `dtype` base layer, adapters
     kept in float32 as PEFT keeps them, and non-zero B (a fresh adapter's B is zero)."""

@@ -70,6 +70,22 @@ def test_escalation_chain(client: Client, redis: Redis, engine: Engine) -> None:
     assert stats.escalations == 6
 
 
+def test_follow_ups_size_the_next_kev_take_before_it_happens(
+    client: Client, redis: Redis, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker tells the engine of the longest new follow-up, so Kev's first take is planned for follow-up
+    prompts (the parent's prompt and answer), not typical ones."""
+    calls: list[tuple[str, str]] = []
+    expect, run = engine.expect, engine.run
+    monkeypatch.setattr(engine, "expect", lambda job: (calls.append(("expect", job.model)), expect(job))[1])
+    monkeypatch.setattr(engine, "run", lambda jobs, **kw: (calls.append(("run", jobs[0].model)), run(jobs, **kw))[1])
+    items = [{"custom_id": f"l{i}", "model": "laya", "prompt": "case " * (i + 1), "escalate": 1.0} for i in range(4)]
+    client.submit_batch(items)
+    drain(redis, engine)
+    assert ("expect", "kev") in calls
+    assert calls.index(("expect", "kev")) < calls.index(("run", "kev"))
+
+
 def test_no_escalate_batch(client: Client, redis: Redis, engine: Engine) -> None:
     handle = client.submit_batch([{"custom_id": "a", "model": "laya", "prompt": "p", "escalate": 1.0}], escalate=False)
     drain(redis, engine)

@@ -49,6 +49,7 @@ class EngineLike(Protocol):
 
     def run(self, jobs: Sequence[Job], *, time_limit_s: float | None = None) -> list[Any]: ...
     def max_rows(self, model: str) -> int: ...
+    def expect(self, job: Job) -> None: ...
     def model_version(self, model: str) -> dict[str, str]: ...
     def escalation_rule(self, model: str) -> Any: ...
     def shares_base(self, a: str, b: str) -> bool: ...
@@ -405,9 +406,10 @@ class BatchWorker:
     def _write(self, items: list[tuple[_Taken, Result | None]]) -> None:
         """Follow-ups first, then results, then RQ bookkeeping: a crash in between re-runs, never loses."""
         by_model: dict[str, list[tuple[str, str | None]]] = {}
+        follow_ups: list[Job] = []
         for t, result in items:
             if result is not None and result.escalated_to:
-                self._enqueue_followup(t, result)
+                follow_ups.append(self._enqueue_followup(t, result))
             if result is not None and result.batch is not None:
                 first = record_result(self.redis, self.keys, result)
                 if first is None:
@@ -424,8 +426,11 @@ class BatchWorker:
             by_model.setdefault(t.model, []).append((t.raw.id, error))
         for model, done in by_model.items():
             self.bridge.finish(model, done, ttl_s=self.settings.result_ttl_s)
+        if follow_ups:
+            # The longest by characters stands for all (encoding each would cost ~0.3 ms a job).
+            self.engine.expect(max(follow_ups, key=lambda j: len(j.prompt) + len(j.parent.text if j.parent else "")))
 
-    def _enqueue_followup(self, t: _Taken, result: Result) -> None:
+    def _enqueue_followup(self, t: _Taken, result: Result) -> Job:
         job = Job.from_dict(t.raw.payload or {}, allow_system=True)
         target = ESCALATES_TO[job.model]
         parent = Parent(
@@ -445,6 +450,7 @@ class BatchWorker:
         )
         if created:
             self.stats.escalations += 1
+        return follow
 
     # ---- recovery -----------------------------------------------------------------------------
     def _maybe_recover(self, *, force: bool = False) -> None:

@@ -199,6 +199,17 @@ class Engine:
         typical = min(self.config.models[model].max_input_tokens, seen)
         return max(1, self.plan(model, input_tokens=typical).max_rows)
 
+    def expect(self, job: Job) -> None:
+        """A job about to be queued (the worker's longest new follow-up): its prompt length sizes that model's
+        next take too. Without it the first Kev take after a run of Laya batches was sized for typical prompts,
+        and follow-ups (the parent's prompt plus its answer) are longer: the take was cut in two, and each part
+        decoded Kev's full answer length."""
+        try:
+            item = self._encode(-1, job)
+        except JobFailure:
+            return  # it fails when it runs; nothing to plan for
+        self._longest_prompt[job.model] = max(self._longest_prompt.get(job.model, 0), len(item.ids))
+
     def escalation_rule(self, model: str) -> EscalationRule | None:
         return self.config.models[model].escalation
 
