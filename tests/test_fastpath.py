@@ -418,6 +418,14 @@ def test_joined_projections_compute_what_each_does_alone(dtype: torch.dtype) -> 
         assert [layer.base_layer.weight.data_ptr() for layer in layers] == [start, start + 48 * 32 * x.element_size()]
         for layer, before in zip(layers, peft_before, strict=True):
             torch.testing.assert_close(layer(x), before, rtol=0, atol=0)
+        # Prefill's merged weights (W + B A): the same outputs to bf16 rounding; float32 keeps PEFT's exact
+        # arithmetic, so it does not merge.
+        merged = joint.merged("kev")
+        assert (merged is None) == (dtype == torch.float32)
+        if merged is not None:
+            for g, w in zip(joint(x, [], merged)[0], want[0], strict=True):
+                torch.testing.assert_close(g, w, rtol=2e-2, atol=3e-2)
+        assert joint.merged(None) is not None  # no adapter: the plain weights
 
 
 def test_joined_4bit_weights_dequantise_as_each_alone() -> None:

@@ -213,6 +213,18 @@ class _Proj:
             weight.view(-1, 1), self._absmax, state.blocksize, state.quant_type, list(state.shape), dtype
         )
 
+    def merged(self, adapter: str | None) -> torch.Tensor | None:
+        """`dense()` with `adapter`'s fused LoRA delta added into the weight (W + B A, one small matmul per
+        prefill chunk instead of two on every token); None where that cannot be done exactly as planned (no
+        ready weight, or PEFT's float32 arithmetic kept)."""
+        weight = self.dense()
+        if weight is None or adapter is None or adapter not in self.lora:
+            return weight
+        if adapter not in self.fused:
+            return None
+        a, b = self.fused[adapter]
+        return torch.addmm(weight, b, a)
+
     def _4bit(self, x: torch.Tensor) -> torch.Tensor:
         """bitsandbytes' own 4-bit matmul op (its kernel choice by batch size) on the float32 scales, as
         `Linear4bit.forward` calls it but without decoding the scales again or its Python around the call."""
@@ -304,6 +316,19 @@ class _Group:
         if self.joint is not None:
             return (self.joint.dense(),)
         return tuple(p.dense() for p in self.projs)
+
+    def merged(self, adapter: str | None) -> GroupDense | None:
+        """`dense()` with `adapter`'s LoRA merged into the weights (see `_Proj.merged`), or None."""
+        if self.joint is None:
+            parts = tuple(p.merged(adapter) for p in self.projs)
+            return None if any(part is None for part in parts) else parts
+        weight = self.joint.dense()
+        if adapter is None or not any(adapter in p.lora for p in self.projs):
+            return (weight,)
+        if adapter not in self.lora:
+            return None
+        a, b = self.lora[adapter]
+        return (torch.addmm(weight, b, a),)
 
     def __call__(
         self, x: torch.Tensor, masks: Masks, dense: GroupDense = ()
@@ -434,6 +459,18 @@ class _Layer:
     def dense(self) -> Dense:
         return (self.qkv.dense(), self.o.dense(), self.gate_up.dense(), self.down.dense())
 
+    def merged(self, masks: Masks) -> Dense | None:
+        """Ready weights with the one adapter of a single-adapter chunk merged in (its LoRA then costs nothing
+        per token), or None: a mixed chunk, or a projection that cannot merge."""
+        if len(masks) > 1 or (masks and masks[0][1] is not None):
+            return None
+        adapter = masks[0][0] if masks else None
+        qkv, gate_up = self.qkv.merged(adapter), self.gate_up.merged(adapter)
+        o, down = self.o.merged(adapter), self.down.merged(adapter)
+        if qkv is None or gate_up is None or o is None or down is None:
+            return None
+        return (qkv, o, gate_up, down)
+
 
 class _State:
     """The static buffers one graph reads and writes; views of the shared KV pool for its rows x length."""
@@ -481,6 +518,7 @@ class StaticDecoder:
         prefill_tokens: int = 4096,
         fuse_lora: bool = True,
         join_projections: bool = True,
+        merge_lora: bool = True,
     ) -> None:
         self.model = model  # what prefill calls (the PEFT wrapper, so adapters apply)
         lm = _causal_lm(model)
@@ -491,6 +529,8 @@ class StaticDecoder:
         # A captured graph of up to this many times a batch's rows serves it (no graphs, nothing to save).
         self.reuse_slack = 1.5 if self.use_graphs else 1.0
         self.prefill_tokens = prefill_tokens
+        # Prefill a single-adapter chunk with its (fused) LoRA merged into the dequantised weights.
+        self.merge_lora = merge_lora
         self.own_prefill = True  # False: prefill through the model's forward (after a failure, or to compare)
         self.embed, self.norm, self.rotary = lm.model.embed_tokens, _norm(lm.model.norm), lm.model.rotary_emb
         self.head = lm.lm_head
@@ -852,8 +892,9 @@ class StaticDecoder:
             positions = torch.arange(span, device=self.device).expand(count, span)
             cos, sin = self.rotary(h, positions)
             for layer, (k_cache, v_cache) in zip(self.layers, state.kv, strict=True):
-                dense = layer.dense()
-                q, k, v = self._qkv(layer, h, c.masks, cos, sin, dense)
+                merged = layer.merged(c.masks) if self.merge_lora else None
+                dense, masks = (merged, []) if merged is not None else (layer.dense(), c.masks)
+                q, k, v = self._qkv(layer, h, masks, cos, sin, dense)
                 # (rows, kv_heads, span, D) -> the cache's (rows, span) slots: advanced indices put those first.
                 k_cache[c.rows, :, c.columns] = k.transpose(1, 2)
                 v_cache[c.rows, :, c.columns] = v.transpose(1, 2)
@@ -861,7 +902,7 @@ class StaticDecoder:
                     q, _repeat_kv(k, groups), _repeat_kv(v, groups), is_causal=True, scale=layer.scaling
                 )
                 attn = out.transpose(1, 2).reshape(count, span, self.heads * self.head_dim)
-                h = self._rest(layer, h, attn, c.masks, dense)
+                h = self._rest(layer, h, attn, masks, dense)
             last = h[torch.arange(count, device=self.device), c.last]
             logits[c.where] = self.head(self.norm(last)).float()
 
