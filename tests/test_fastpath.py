@@ -491,3 +491,27 @@ def test_warm_up_leaves_nothing_behind(pair: tuple[TokenRecorder, TokenRecorder]
     assert static._longest_prompt == history  # the take is sized by real jobs only
     assert decoder.captures == captures  # no graphs on the CPU; the loop ran without them
     assert_same(eager, static, batch("mixed", 5))
+
+
+def test_a_fused_op_that_fails_to_compile_runs_eagerly_from_then_on(caplog: pytest.LogCaptureFixture) -> None:
+    from worker.fastpath import _Fused, _silu_mul
+
+    op = _Fused(_silu_mul, compiled=False)
+    gate, up = torch.randn(3, 4), torch.randn(3, 4)
+    want = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(op(gate, up), want, rtol=0, atol=0)
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("no compiler")
+
+    op.compiled = broken
+    with caplog.at_level(logging.ERROR, logger="kevlaya.fastpath"):
+        torch.testing.assert_close(op(gate, up), want, rtol=0, atol=0)
+    assert op.compiled is None and "torch.compile of _silu_mul failed" in caplog.text
+
+    def out_of_memory(*args: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    op.compiled = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError):  # the engine's retry and split handle that, not a fallback
+        op(gate, up)

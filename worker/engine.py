@@ -116,17 +116,19 @@ class Engine:
             groups = [[a] for a in dict.fromkeys(adapters)] + ([adapters] if len(set(adapters)) > 1 else [])
             rows = row_bucket(max(self.max_rows(m) for m in models))
             for names in groups:
-                # A prefill chunk's worth of tokens over the largest take, two decode steps: the kernels a
-                # real batch of that size uses (matmul shapes follow the rows and the chunk's tokens).
-                width = max(1, min(64, decoder.prefill_tokens // rows))
-                token = base.tokenizer.eos_token_id or 0
-                batch = [DecodeRow(ids=[token] * width, max_new=2, adapter=names[i % len(names)]) for i in range(rows)]
-                decoder.decode(
-                    batch,
-                    stop_ids=self._stop_ids(base),
-                    pad_id=base.tokenizer.pad_token_id,
-                    select=lambda n, base=base: self._adapters(base, n),
-                )
+                # The largest take (a prefill chunk's worth of tokens over its rows, then two decode steps), and
+                # one row: the kernels real batches use (matmul shapes follow the rows and the chunk's tokens),
+                # and the compiled elementwise kernels' shape families (a dimension of 1 is its own).
+                for n in (rows, 1) if len(names) == 1 else (rows,):
+                    width = max(1, min(64, decoder.prefill_tokens // n))
+                    token = base.tokenizer.eos_token_id or 0
+                    batch = [DecodeRow(ids=[token] * width, max_new=2, adapter=names[i % len(names)]) for i in range(n)]
+                    decoder.decode(
+                        batch,
+                        stop_ids=self._stop_ids(base),
+                        pad_id=base.tokenizer.pad_token_id,
+                        select=lambda chosen, base=base: self._adapters(base, chosen),
+                    )
             decoder.release()
             decoder.phase_s.clear()
         if self.device.type == "cuda":

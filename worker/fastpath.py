@@ -135,13 +135,95 @@ class _RMSNorm:
         self.shape = (module.weight.shape[-1],)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
+        return _rms_scaled(x, self.weight, self.eps)
 
 
 def _norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """The module itself unless it is the plain RMSNorm `_RMSNorm` reproduces."""
     plain = type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
     return _RMSNorm(module) if plain and getattr(module, "weight", None) is not None else module
+
+
+def _rms_scaled(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
+
+
+def _add_rms(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the next RMSNorm (HF's arithmetic: the sum rounded, statistics in float32)."""
+    h = h + delta
+    return h, _rms_scaled(h, weight, eps)
+
+
+def _rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb, element for element (rotate_half, then q * cos + rotated * sin)."""
+    half = qk.shape[-1] // 2
+    rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+    return (qk * cos) + (rotated * sin)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class _Fused:
+    """One of the functions above, compiled by torch.compile (Inductor: one generated kernel where eager
+    launches 2-5, each a full pass over memory) when asked, else run as it is. Compiled only for bf16/fp16
+    compute on CUDA: Inductor keeps the eager casts (`emulate_precision_casts`), but its reductions may sum in
+    another order, so float32 runs -- the exact agreement checks -- stay eager. Compiling happens at the
+    first call of each shape family (the engine's warm-up); a failure to compile falls back to eager for
+    good, with a log line."""
+
+    def __init__(self, fn: Callable[..., Any], compiled: bool) -> None:
+        self.fn = fn
+        self.compiled: Callable[..., Any] | None = None
+        if compiled:
+            import torch._inductor.config as inductor_config
+
+            inductor_config.emulate_precision_casts = True  # round where eager rounds (bf16 intermediates)
+            self.compiled = torch.compile(fn, dynamic=True)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception:  # a compiler missing or failing: the eager function computes the same
+                log.exception("fast path: torch.compile of %s failed; running it eagerly", self.fn.__name__)
+                self.compiled = None
+        return self.fn(*args)
+
+
+class _Ops:
+    """The fused elementwise steps of a layer, compiled or eager (see `_Fused`)."""
+
+    def __init__(self, compiled: bool) -> None:
+        self.add_rms = _Fused(_add_rms, compiled)
+        self.rms = _Fused(_rms_scaled, compiled)
+        self.rope = _Fused(_rope, compiled)
+        self.silu_mul = _Fused(_silu_mul, compiled)
+
+    def norm(self, norm: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        if isinstance(norm, _RMSNorm):
+            return self.rms(h, norm.weight, norm.eps)
+        return norm(h)
+
+    def add_norm(
+        self, h: torch.Tensor, delta: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(norm, _RMSNorm):
+            return self.add_rms(h, delta, norm.weight, norm.eps)
+        h = h + delta
+        return h, norm(h)
+
+    def act_mul(
+        self, act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor
+    ) -> torch.Tensor:
+        if isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation":
+            return self.silu_mul(gate, up)
+        return act(gate) * up
 
 
 @torch.no_grad()
@@ -519,6 +601,7 @@ class StaticDecoder:
         fuse_lora: bool = True,
         join_projections: bool = True,
         merge_lora: bool = True,
+        compile_ops: bool = True,
     ) -> None:
         self.model = model  # what prefill calls (the PEFT wrapper, so adapters apply)
         lm = _causal_lm(model)
@@ -535,6 +618,9 @@ class StaticDecoder:
         self.embed, self.norm, self.rotary = lm.model.embed_tokens, _norm(lm.model.norm), lm.model.rotary_emb
         self.head = lm.lm_head
         self.dtype = self.embed.weight.dtype
+        # Residual adds with the norms after them, rotary, SiLU x up: one compiled kernel each (bf16/fp16 on a GPU).
+        compiled = compile_ops and device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+        self.ops = _Ops(compiled)
         # fuse_lora=False keeps PEFT's float32 LoRA arithmetic in bf16/fp16 models too (slower; for comparisons).
         # join_projections=False runs q/k/v and gate/up as separate matmuls (for comparisons).
         layers = lm.model.layers[: cfg.num_hidden_layers]
@@ -590,51 +676,59 @@ class StaticDecoder:
         h = self.embed(state.ids)
         cos, sin = self.rotary(h, state.pos)
         groups = self.heads // self.kv_heads
-        for layer, (k_cache, v_cache) in zip(self.layers, state.kv, strict=True):
-            q, k, v = self._qkv(layer, h, masks, cos, sin)
+        x = self.ops.norm(self.layers[0].norm1, h)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, state.kv, strict=True)):
+            q, k, v = self._qkv(layer, x, masks, cos, sin)
             k_cache.index_copy_(2, state.cache_pos, k)
             v_cache.index_copy_(2, state.cache_pos, v)
             # Query length 1: the query heads sharing a KV head become that head's query rows -- GQA with no
             # K/V expansion. Head j uses KV head j // groups, as in HF's repeat_kv.
             q = q.reshape(rows, self.kv_heads, groups, self.head_dim)
             out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=state.mask, scale=layer.scaling)
-            h = self._rest(layer, h, out.reshape(rows, 1, self.heads * self.head_dim), masks)
-        return self.head(self.norm(h))[:, 0]
+            attn = out.reshape(rows, 1, self.heads * self.head_dim)
+            h, x = self._rest(layer, h, attn, masks, self._next_norm(i))
+        return self.head(x)[:, 0]
+
+    def _next_norm(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The norm after layer i: the next layer's input norm, or the model's final one."""
+        return self.layers[i + 1].norm1 if i + 1 < len(self.layers) else self.norm
 
     def _qkv(
         self,
         layer: _Layer,
-        h: torch.Tensor,
+        x: torch.Tensor,
         masks: Masks,
         cos: torch.Tensor,
         sin: torch.Tensor,
         dense: Dense = NO_DENSE,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(rows, heads, T, D) queries and (rows, kv_heads, T, D) keys/values, rotary applied, as HF does."""
-        rows, width = h.shape[:2]
-        x = layer.norm1(h)
+        """(rows, heads, T, D) queries and (rows, kv_heads, T, D) keys/values of the normed input `x`, rotary
+        applied as HF applies it."""
+        rows, width = x.shape[:2]
         (q, k, v), joint = layer.qkv(x, masks, dense[0])
         v = v.reshape(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
-        # HF's apply_rotary_pos_emb, element for element, on queries and keys together (half the kernels):
-        # adjacent in the joint output, they need no concatenation.
+        # Rotary on queries and keys together (half the kernels): adjacent in the joint output, they need no
+        # concatenation.
         qk_width = (self.heads + self.kv_heads) * self.head_dim
         qk = joint[..., :qk_width] if joint is not None else torch.cat((q, k), dim=-1)
         qk = qk.view(rows, width, self.heads + self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        half = self.head_dim // 2
-        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-        qk = (qk * cos) + (rotated * sin)
+        qk = self.ops.rope(qk, cos.unsqueeze(1), sin.unsqueeze(1))
         return qk[:, : self.heads], qk[:, self.heads :], v
 
-    @staticmethod
     def _rest(
-        layer: _Layer, h: torch.Tensor, attn: torch.Tensor, masks: Masks, dense: Dense = NO_DENSE
-    ) -> torch.Tensor:
-        """The layer after attention: output projection and residual, then the MLP and its residual."""
-        h = h + layer.o(attn, masks, dense[1])
-        x = layer.norm2(h)
+        self,
+        layer: _Layer,
+        h: torch.Tensor,
+        attn: torch.Tensor,
+        masks: Masks,
+        next_norm: Callable[[torch.Tensor], torch.Tensor],
+        dense: Dense = NO_DENSE,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after attention -- output projection and residual, the MLP and its residual -- and the
+        next norm's output (each residual add fused with the norm after it)."""
+        h, x = self.ops.add_norm(h, layer.o(attn, masks, dense[1]), layer.norm2)
         (gate, up), _ = layer.gate_up(x, masks, dense[2])
-        return h + layer.down(layer.act(gate) * up, masks, dense[3])
+        return self.ops.add_norm(h, layer.down(self.ops.act_mul(layer.act, gate, up), masks, dense[3]), next_norm)
 
     def _choose(self, state: _State, logits: torch.Tensor, end_id: int, pad_id: int, stop: torch.Tensor) -> None:
         """Greedy choice and bookkeeping, all on the device (no host sync): as HF's greedy search does it --
@@ -891,10 +985,11 @@ class StaticDecoder:
             count, span = c.ids.shape
             positions = torch.arange(span, device=self.device).expand(count, span)
             cos, sin = self.rotary(h, positions)
-            for layer, (k_cache, v_cache) in zip(self.layers, state.kv, strict=True):
+            x = self.ops.norm(self.layers[0].norm1, h)
+            for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, state.kv, strict=True)):
                 merged = layer.merged(c.masks) if self.merge_lora else None
                 dense, masks = (merged, []) if merged is not None else (layer.dense(), c.masks)
-                q, k, v = self._qkv(layer, h, masks, cos, sin, dense)
+                q, k, v = self._qkv(layer, x, masks, cos, sin, dense)
                 # (rows, kv_heads, span, D) -> the cache's (rows, span) slots: advanced indices put those first.
                 k_cache[c.rows, :, c.columns] = k.transpose(1, 2)
                 v_cache[c.rows, :, c.columns] = v.transpose(1, 2)
@@ -902,9 +997,9 @@ class StaticDecoder:
                     q, _repeat_kv(k, groups), _repeat_kv(v, groups), is_causal=True, scale=layer.scaling
                 )
                 attn = out.transpose(1, 2).reshape(count, span, self.heads * self.head_dim)
-                h = self._rest(layer, h, attn, masks, dense)
-            last = h[torch.arange(count, device=self.device), c.last]
-            logits[c.where] = self.head(self.norm(last)).float()
+                h, x = self._rest(layer, h, attn, masks, self._next_norm(i), dense)
+            last = x[torch.arange(count, device=self.device), c.last]
+            logits[c.where] = self.head(last).float()
 
     def _row_masks(self, part: Sequence[DecodeRow]) -> Masks:
         """LoRA selection for a prefill chunk: no masks when every row uses one adapter (PEFT's arithmetic),
