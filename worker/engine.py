@@ -116,11 +116,13 @@ class Engine:
             groups = [[a] for a in dict.fromkeys(adapters)] + ([adapters] if len(set(adapters)) > 1 else [])
             rows = row_bucket(max(self.max_rows(m) for m in models))
             for names in groups:
-                # The largest take (a prefill chunk's worth of tokens over its rows, then two decode steps), and
-                # one row: the kernels real batches use (matmul shapes follow the rows and the chunk's tokens),
-                # and the compiled elementwise kernels' shape families (a dimension of 1 is its own).
+                # The largest take (prefill in full chunks, then two decode steps), and one row: the kernels real
+                # batches use (matmul shapes follow the rows and the chunk's tokens), and the compiled elementwise
+                # kernels' shape families (a dimension of 1 is its own).
                 for n in (rows, 1) if len(names) == 1 else (rows,):
-                    width = max(1, min(64, decoder.prefill_tokens // n))
+                    # Prompt lengths equal to no model dimension: torch.compile treats equal sizes as one symbol
+                    # (a 14-token warm-up matched 12 query + 2 KV heads), and real lengths then recompile.
+                    width = 29 if n > 1 else 53
                     token = base.tokenizer.eos_token_id or 0
                     batch = [DecodeRow(ids=[token] * width, max_new=2, adapter=names[i % len(names)]) for i in range(n)]
                     decoder.decode(
