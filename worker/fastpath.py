@@ -711,10 +711,8 @@ class StaticDecoder:
         # concatenation.
         qk_width = (self.heads + self.kv_heads) * self.head_dim
         qk = joint[..., :qk_width] if joint is not None else torch.cat((q, k), dim=-1)
-        # In the projection's (rows, tokens, heads, dim) layout, heads transposed after: reads and writes stay
-        # in memory order (rotated in the transposed layout, the fused kernel took 3x as long in prefill).
-        qk = qk.view(rows, width, self.heads + self.kv_heads, self.head_dim)
-        qk = self.ops.rope(qk, cos.unsqueeze(2), sin.unsqueeze(2)).transpose(1, 2)
+        qk = qk.view(rows, width, self.heads + self.kv_heads, self.head_dim).transpose(1, 2)
+        qk = self.ops.rope(qk, cos.unsqueeze(1), sin.unsqueeze(1))
         return qk[:, : self.heads], qk[:, self.heads :], v
 
     def _rest(
