@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sweep", default="1,8,32,128,256")
     parser.add_argument("--skip", default="", help="comma list of parts to skip: nightly,interactive,seed,queue,sweep")
     parser.add_argument("--decode", default="auto", choices=["auto", "eager", "static"], help="decode path")
+    parser.add_argument("--no-compile", action="store_true", help="the loop's fused elementwise steps run eagerly")
     parser.add_argument("--profile", action="store_true", help="cProfile the nightly drain (written beside the JSON)")
     parser.add_argument("--out", default="bench/out")
     parser.add_argument("--verbose", action="store_true", help="log each batch of the decode loop (rows, phases)")
@@ -303,6 +304,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             memory_budget_bytes=budget,
             max_batch_rows=512,
             decode=args.decode,
+            compile_ops=not args.no_compile,
         )
         graphs = any(d.use_graphs for d in engine.decoders.values())
         report["decode"] = ("static+graphs" if graphs else "static") if engine.decoders else "HF generate"

@@ -84,3 +84,10 @@ def test_unknown_batch_exits_nonzero_with_message(redis_url: str, redis: Redis) 
 def test_producer_does_not_import_torch() -> None:
     code = "import sys, producer, shared, producer.cli; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_worker_help_names_the_fast_path_switches() -> None:
+    from worker.cli import worker_command
+
+    out = CliRunner().invoke(worker_command, ["--help"]).output
+    assert "--decode" in out and "--no-compile" in out

@@ -44,6 +44,12 @@ def _setup_logging(level: str) -> None:
     "it; static: the loop without graphs; eager: always HF generate (turns the fast path off).",
 )
 @click.option(
+    "--no-compile",
+    is_flag=True,
+    help="Run the decode loop's fused elementwise steps eagerly instead of as torch.compile'd kernels "
+    "(bf16/fp16 on a GPU; compiling adds seconds to the start-up warm-up).",
+)
+@click.option(
     "--batch-time-limit-s", default=900.0, show_default=True, help="Rows still generating then fail with `timeout`."
 )
 @click.option("--name", default=None, help="Worker name (default: host + random suffix).")
@@ -65,6 +71,7 @@ def worker_command(
     device: str | None,
     no_mixed_tails: bool,
     decode: str,
+    no_compile: bool,
     batch_time_limit_s: float,
     name: str | None,
     job_heartbeat_ttl_s: float,
@@ -80,7 +87,14 @@ def worker_command(
     try:
         config = load_config(config_path)
         budget = parse_bytes(memory_budget) if memory_budget else None
-        engine = Engine(config, device=device, memory_budget_bytes=budget, max_batch_rows=max_batch_rows, decode=decode)
+        engine = Engine(
+            config,
+            device=device,
+            memory_budget_bytes=budget,
+            max_batch_rows=max_batch_rows,
+            decode=decode,
+            compile_ops=not no_compile,
+        )
     except KevlayaError as exc:
         raise click.ClickException(str(exc)) from exc
     settings = WorkerSettings(

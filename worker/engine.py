@@ -74,6 +74,7 @@ class Engine:
         fault_hook: FaultHook | None = None,
         bases: dict[str, LoadedBase] | None = None,
         decode: str = "auto",
+        compile_ops: bool = True,
     ) -> None:
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
@@ -84,6 +85,7 @@ class Engine:
         self.memory_budget_bytes = memory_budget_bytes
         self.max_batch_rows = max_batch_rows
         self.fault_hook = fault_hook
+        self.compile_ops = compile_ops  # torch.compile'd elementwise kernels in the loop (bf16/fp16 on CUDA)
         self._deadline: float | None = None
         if self.device.type == "cuda" and memory_budget_bytes:
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -147,7 +149,7 @@ class Engine:
             return None
         graphs = decode == "auto" and self.device.type == "cuda"
         log.info("decode: static KV cache %s for base %s", "with CUDA graphs" if graphs else "without graphs", name)
-        return StaticDecoder(base.model, self.device, use_graphs=graphs)
+        return StaticDecoder(base.model, self.device, use_graphs=graphs, compile_ops=self.compile_ops)
 
     # ---- facts the worker needs -------------------------------------------------------------
     def phase_seconds(self) -> dict[str, float]:
