@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mixed = [j for pair in zip(laya[: args.rows // 2], kev[: args.rows // 2], strict=True) for j in pair]
     report: dict[str, Any] = {"hardware": hardware(args.device, budget), "shape": args.shape}
     report["compute_dtype"] = config.bases["default"].compute_dtype
-    report["lora"] = "exact (PEFT float32)" if args.exact_lora else "fused in the compute dtype"
+    exact = args.exact_lora or report["compute_dtype"] == "float32"  # float32: PEFT's own arithmetic, no casts
+    report["lora"] = "exact (PEFT float32)" if exact else "fused in the compute dtype"
     report["agreement"] = agreement(eager, static, {"laya": laya, "kev": kev, "mixed": mixed})
     sizes = [int(s) for s in args.sizes.split(",")]
     fixed = [
