@@ -314,28 +314,31 @@ def test_an_expected_follow_up_sizes_its_models_take(tiny_models: Path) -> None:
     assert "laya" not in engine._longest_prompt
 
 
-def _lora_linear(dtype: torch.dtype) -> Any:
-    """A PEFT LoRA linear with two adapters (ranks 8 and 4, different scales) on a `dtype` base layer, adapters
-    kept in float32 as PEFT keeps them, and non-zero B (a fresh adapter's B is zero)."""
+def _lora_linears(dtype: torch.dtype, outs: tuple[int, ...]) -> tuple[Any, ...]:
+    """PEFT LoRA linears reading one 32-wide input (as q and k do), one per output width, each with two
+    adapters (ranks 8 and 4, different scales) on a `dtype` base layer, adapters kept in float32 as PEFT keeps
+    them, and non-zero B (a fresh adapter's B is zero)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(32, 48)).to(dtype)
-    model = get_peft_model(net, LoraConfig(r=8, lora_alpha=32, target_modules=["0"]), adapter_name="kev")
-    model.add_adapter("laya", LoraConfig(r=4, lora_alpha=4, target_modules=["0"]))
-    layer = model.base_model.model[0]
-    for name in ("kev", "laya"):
-        layer.lora_A[name].float()
-        layer.lora_B[name].float()
-        torch.nn.init.normal_(layer.lora_B[name].weight, std=0.1)
-    return layer
+    names = [f"p{i}" for i in range(len(outs))]
+    net = torch.nn.ModuleDict({n: torch.nn.Linear(32, out) for n, out in zip(names, outs, strict=True)}).to(dtype)
+    model = get_peft_model(net, LoraConfig(r=8, lora_alpha=32, target_modules=names), adapter_name="kev")
+    model.add_adapter("laya", LoraConfig(r=4, lora_alpha=4, target_modules=names))
+    layers = tuple(model.base_model.model[n] for n in names)
+    for layer in layers:
+        for name in ("kev", "laya"):
+            layer.lora_A[name].float()
+            layer.lora_B[name].float()
+            torch.nn.init.normal_(layer.lora_B[name].weight, std=0.1)
+    return layers
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_loop_lora_matches_peft_and_masks_pick_each_rows_adapter(dtype: torch.dtype) -> None:
     from worker.fastpath import _Proj
 
-    layer = _lora_linear(dtype)
+    (layer,) = _lora_linears(dtype, (48,))
     proj = _Proj(layer, dtype)
     assert bool(proj.fused) == (dtype != torch.float32)  # fused only where PEFT would cast
     x = torch.randn(4, 1, 32).to(dtype)
@@ -375,30 +378,13 @@ def test_4bit_weights_without_bitsandbytes_python_match_its_dequantisation(neste
     torch.testing.assert_close(proj(x, []), want, rtol=1e-6, atol=1e-6)
 
 
-def _two_lora_linears(dtype: torch.dtype) -> tuple[Any, Any]:
-    """Two PEFT LoRA linears reading one input (as q and k do), each with Kev and Laya adapters."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(1)
-    net = torch.nn.ModuleDict({"a": torch.nn.Linear(32, 48), "b": torch.nn.Linear(32, 16)}).to(dtype)
-    model = get_peft_model(net, LoraConfig(r=8, lora_alpha=32, target_modules=["a", "b"]), adapter_name="kev")
-    model.add_adapter("laya", LoraConfig(r=4, lora_alpha=4, target_modules=["a", "b"]))
-    layers = model.base_model.model["a"], model.base_model.model["b"]
-    for layer in layers:
-        for name in ("kev", "laya"):
-            layer.lora_A[name].float()
-            layer.lora_B[name].float()
-            torch.nn.init.normal_(layer.lora_B[name].weight, std=0.1)
-    return layers
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_joined_projections_compute_what_each_does_alone(dtype: torch.dtype) -> None:
     """q/k/v (and gate/up) as one matmul over concatenated weights, LoRA stacked and block-diagonal: each
     member's output as when it runs alone, for one adapter and for a per-row mixed batch."""
     from worker.fastpath import _Group, _Proj
 
-    layers = _two_lora_linears(dtype)
+    layers = _lora_linears(dtype, (48, 16))
     x = torch.randn(4, 3, 32).to(dtype)
     mask_kev = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=dtype).view(4, 1, 1)
     cases = [[("kev", None)], [("laya", None)], [("kev", mask_kev), ("laya", 1 - mask_kev)], []]
@@ -515,3 +501,21 @@ def test_a_fused_op_that_fails_to_compile_runs_eagerly_from_then_on(caplog: pyte
     op.compiled = out_of_memory
     with pytest.raises(torch.OutOfMemoryError):  # the engine's retry and split handle that, not a fallback
         op(gate, up)
+
+
+def test_a_joined_group_skips_an_adapter_none_of_its_members_has() -> None:
+    """An adapter that targets other modules only (Laya on the MLP, say) adds nothing to this group."""
+    from worker.fastpath import _Group, _Proj
+
+    layers = _lora_linears(torch.bfloat16, (48, 16))
+    projs = [_Proj(layer, torch.bfloat16) for layer in layers]
+    for p in projs:
+        p.lora.pop("laya"), p.fused.pop("laya")
+    group = _Group(projs, torch.bfloat16)
+    assert set(group.lora) == {"kev"}
+    x = torch.randn(4, 1, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        got, _ = group(x, [("laya", None)])
+        for g, layer in zip(got, layers, strict=True):
+            torch.testing.assert_close(g, layer.base_layer(x), rtol=0, atol=0)
+        assert group.merged("laya") is not None  # nothing to merge: the plain weights

@@ -50,9 +50,7 @@ Masks = list[tuple[str, torch.Tensor | None]]  # (adapter, per-row 0/1 mask or N
 AdapterSelect = Callable[[Sequence[str | None]], contextlib.AbstractContextManager[dict[str, Any]]]
 # Per layer: the q/k/v group's ready weights, o's, the gate/up group's, down's (a group: one joint weight or one
 # per member; None: that base layer runs itself).
-Dense = tuple[
-    tuple[torch.Tensor | None, ...], torch.Tensor | None, tuple[torch.Tensor | None, ...], torch.Tensor | None
-]
+Dense = tuple[GroupDense, torch.Tensor | None, GroupDense, torch.Tensor | None]
 NO_DENSE: Dense = ((), None, (), None)
 
 
@@ -422,8 +420,9 @@ class _Group:
         joint = self.joint.base_out(x, dense[0] if dense else None)
         if self.lora:
             for name, mask in masks:
-                a, b = self.lora[name]
-                joint = _fused_delta(joint, x, a, b, mask)
+                if name in self.lora:  # else no member has this adapter's LoRA
+                    a, b = self.lora[name]
+                    joint = _fused_delta(joint, x, a, b, mask)
             return list(joint.split(self.sizes, dim=-1)), joint
         parts = joint.split(self.sizes, dim=-1)
         return [p.add_lora(part, x, masks) for p, part in zip(self.projs, parts, strict=True)], None
@@ -440,25 +439,34 @@ def _block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+@dataclass(frozen=True)
+class _Layout4bit:
+    """How bitsandbytes reads a (joint) packed 4-bit weight."""
+
+    absmax: torch.Tensor  # float32 per-block scales
+    blocksize: int
+    quant_type: str
+    shape: list[int]  # (out, in) of the unpacked weight
+    dtype: torch.dtype  # compute dtype
+
+
 class _JointBase:
     """The concatenated base weights of a `_Group`, as a `_Proj` runs its base layer (4-bit or plain)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: dict[str, Any] | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: _Layout4bit | None) -> None:
         self.weight, self.bias, self.quant = weight, bias, quant
 
     def dense(self) -> torch.Tensor:
-        if self.quant is None:
+        if (q := self.quant) is None:
             return self.weight
-        q = self.quant
         return torch.ops.bitsandbytes.dequantize_4bit.default(
-            self.weight, q["absmax"], q["blocksize"], q["quant_type"], q["shape"], q["dtype"]
+            self.weight, q.absmax, q.blocksize, q.quant_type, q.shape, q.dtype
         )
 
     def base_out(self, x: torch.Tensor, dense: torch.Tensor | None) -> torch.Tensor:
-        if dense is None and self.quant is not None:
-            q = self.quant
+        if dense is None and (q := self.quant) is not None:
             out = torch.ops.bitsandbytes.gemm_4bit.default(
-                x.to(q["dtype"]), self.weight, q["shape"], q["absmax"], q["blocksize"], q["quant_type"], bias=self.bias
+                x.to(q.dtype), self.weight, q.shape, q.absmax, q.blocksize, q.quant_type, bias=self.bias
             )
             return out.to(x.dtype)
         weight = self.weight if dense is None else dense
@@ -489,13 +497,13 @@ def _join_bases(projs: list[_Proj], dtype: torch.dtype) -> _JointBase | None:
     weight = torch.cat([b.weight.data.reshape(-1) for b in bases]).view(-1, 1)
     _rebind([b.weight for b in bases], weight)
     absmax = torch.cat([p._absmax for p in projs])
-    for p, view in zip(projs, _views(absmax, [p._absmax.numel() for p in projs]), strict=True):
+    for p, view in zip(projs, absmax.split([p._absmax.numel() for p in projs]), strict=True):
         if p._absmax is p.base.weight.quant_state.absmax:
             p.base.weight.quant_state.absmax = view  # plain (not nested) scales: bitsandbytes' own, shared
         p._absmax = view
     shape = [sum(s.shape[0] for s in states), states[0].shape[1]]
-    quant = {"absmax": absmax, "blocksize": blocksize, "quant_type": quant_type, "shape": shape, "dtype": compute_dtype}
-    return _JointBase(weight, _joint_bias(bases, compute_dtype), quant)
+    layout = _Layout4bit(absmax=absmax, blocksize=blocksize, quant_type=quant_type, shape=shape, dtype=compute_dtype)
+    return _JointBase(weight, _joint_bias(bases, compute_dtype), layout)
 
 
 def _joint_bias(bases: list[torch.nn.Module], dtype: torch.dtype) -> torch.Tensor | None:
@@ -505,10 +513,6 @@ def _joint_bias(bases: list[torch.nn.Module], dtype: torch.dtype) -> torch.Tenso
         b.bias.to(dtype) if b.bias is not None else torch.zeros(b.out_features, dtype=dtype, device=b.weight.device)
         for b in bases
     ])  # fmt: skip
-
-
-def _views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    return list(flat.split(sizes))
 
 
 def _rebind(params: list[torch.Tensor], joint: torch.Tensor) -> None:
