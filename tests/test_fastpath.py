@@ -435,9 +435,10 @@ def test_joined_4bit_weights_dequantise_as_each_alone() -> None:
     (dense,) = group.dense()
     torch.testing.assert_close(dense, torch.cat(refs), rtol=0, atol=0)
     x = torch.randn(5, 2, 64)
-    parts, _ = group(x, [], (dense,))
-    for part, ref, layer in zip(parts, refs, layers, strict=True):
-        torch.testing.assert_close(part, torch.nn.functional.linear(x, ref, layer.bias), rtol=1e-6, atol=1e-6)
+    for given in ((dense,), ()):  # prefill's ready weight; decode's 4-bit matmul op on the joint buffer
+        parts, _ = group(x, [], given)
+        for part, ref, layer in zip(parts, refs, layers, strict=True):
+            torch.testing.assert_close(part, torch.nn.functional.linear(x, ref, layer.bias), rtol=1e-6, atol=1e-6)
     # Each member still dequantises to its own weight from its view of the joint buffer.
     for p, ref in zip(projs, refs, strict=True):
         torch.testing.assert_close(p.dense(), ref, rtol=0, atol=0)
