@@ -40,7 +40,7 @@ from worker.fastpath import (
 from worker.loading import LoadedBase, load_all
 from worker.memory import DTYPE_BYTES, BatchPlan, plan_batch
 from worker.outputs import RowOutput
-from worker.templates import prompt_pieces
+from worker.templates import Pieces, prompt_pieces_many
 
 log = logging.getLogger("kevlaya.engine")
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -240,11 +240,9 @@ class Engine:
         groups: dict[tuple[Any, ...], list[_Item]] = defaultdict(list)
         longest: dict[str, int] = {}
         started = time.perf_counter()
-        for index, job in enumerate(jobs):
-            try:
-                item = self._encode(index, job)
-            except JobFailure as failure:
-                outputs[index] = RowOutput.failed(failure.type, str(failure))
+        for index, (job, item) in enumerate(zip(jobs, self._encode_many(jobs), strict=True)):
+            if isinstance(item, JobFailure):
+                outputs[index] = RowOutput.failed(item.type, str(item))
                 continue
             spec = self.config.models[job.model]
             mode = ("choices",) if job.choices else ("generate", job.temperature, job.seed)
@@ -325,9 +323,35 @@ class Engine:
 
     # ---- encoding ---------------------------------------------------------------------------
     def _encode(self, index: int, job: Job) -> _Item:
+        (item,) = self._encode_many([job], first_index=index)
+        if isinstance(item, JobFailure):
+            raise item
+        return item
+
+    def _encode_many(self, jobs: Sequence[Job], *, first_index: int = 0) -> list[_Item | JobFailure]:
+        """Each job's prompt as token ids (index-aligned), or the JobFailure that job fails with. The jobs of
+        one base are tokenised together (see `prompt_pieces_many`)."""
+        by_base: dict[str, list[int]] = defaultdict(list)
+        for i, job in enumerate(jobs):
+            by_base[self.config.models[job.model].base].append(i)
+        out: list[_Item | JobFailure | None] = [None] * len(jobs)
+        for base_name, indices in by_base.items():
+            base = self.bases[base_name]
+            requests = [(self.config.models[jobs[i].model], jobs[i]) for i in indices]
+            for i, pieces in zip(indices, prompt_pieces_many(base.tokenizer, requests), strict=True):
+                if isinstance(pieces, JobFailure):
+                    out[i] = pieces
+                    continue
+                try:
+                    out[i] = self._item(first_index + i, jobs[i], pieces)
+                except JobFailure as failure:
+                    out[i] = failure
+        return [o for o in out if o is not None]
+
+    def _item(self, index: int, job: Job, pieces: Pieces) -> _Item:
+        """A job's encoded row: its prompt within the model's input limit (cut only where the job allows)."""
         spec = self.config.models[job.model]
         base = self.bases[spec.base]
-        pieces = prompt_pieces(base.tokenizer, spec, job)
         total = sum(len(ids) for ids, _ in pieces)
         if total > spec.max_input_tokens:
             if not job.truncate:
