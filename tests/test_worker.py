@@ -80,6 +80,7 @@ def test_follow_ups_size_the_next_kev_take_before_it_happens(
     monkeypatch.setattr(engine, "expect", lambda job: (calls.append(("expect", job.model)), expect(job))[1])
     monkeypatch.setattr(engine, "run", lambda jobs, **kw: (calls.append(("run", jobs[0].model)), run(jobs, **kw))[1])
     items = [{"custom_id": f"l{i}", "model": "laya", "prompt": "case " * (i + 1), "escalate": 1.0} for i in range(4)]
+    items.append({"custom_id": "fields", "model": "laya", "input": {"income": "52000"}, "escalate": 1.0})  # no prompt
     client.submit_batch(items)
     drain(redis, engine)
     assert ("expect", "kev") in calls

@@ -428,7 +428,7 @@ class BatchWorker:
             self.bridge.finish(model, done, ttl_s=self.settings.result_ttl_s)
         if follow_ups:
             # The longest by characters stands for all (encoding each would cost ~0.3 ms a job).
-            self.engine.expect(max(follow_ups, key=lambda j: len(j.prompt) + len(j.parent.text if j.parent else "")))
+            self.engine.expect(max(follow_ups, key=_prompt_chars))
 
     def _enqueue_followup(self, t: _Taken, result: Result) -> Job:
         job = Job.from_dict(t.raw.payload or {}, allow_system=True)
@@ -540,3 +540,9 @@ class BatchWorker:
 
 
 __all__ = ["BatchWorker", "PayloadError", "WorkerSettings", "WorkerStats"]
+
+
+def _prompt_chars(job: Job) -> int:
+    """Characters of what a job's prompt is rendered from: its prompt or input fields, and its parent's answer."""
+    fields = sum(len(k) + len(v) for k, v in (job.input or {}).items())
+    return len(job.prompt or "") + fields + len(job.parent.text if job.parent else "")
