@@ -389,7 +389,7 @@ def test_joined_projections_compute_what_each_does_alone(dtype: torch.dtype) -> 
     mask_kev = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=dtype).view(4, 1, 1)
     cases = [[("kev", None)], [("laya", None)], [("kev", mask_kev), ("laya", 1 - mask_kev)], []]
     with torch.no_grad():
-        alone = _Group.separate([_Proj(layer, dtype) for layer in layers])
+        alone = _Group([_Proj(layer, dtype) for layer in layers], dtype, join=False)
         want = [alone(x, masks)[0] for masks in cases]
         peft_before = [layer(x) for layer in layers]
         joint = _Group([_Proj(layer, dtype) for layer in layers], dtype)

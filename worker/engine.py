@@ -117,6 +117,7 @@ class Engine:
             adapters = [base.adapters.get(m) for m in models]
             groups = [[a] for a in dict.fromkeys(adapters)] + ([adapters] if len(set(adapters)) > 1 else [])
             rows = row_bucket(max(self.max_rows(m) for m in models))
+            token, stop_ids = base.tokenizer.eos_token_id or 0, self._stop_ids(base)
             for names in groups:
                 # The largest take (prefill in full chunks, then two decode steps), and one row: the kernels real
                 # batches use (matmul shapes follow the rows and the chunk's tokens), and the compiled elementwise
@@ -125,11 +126,10 @@ class Engine:
                     # Prompt lengths equal to no model dimension: torch.compile treats equal sizes as one symbol
                     # (a 14-token warm-up matched 12 query + 2 KV heads), and real lengths then recompile.
                     width = 29 if n > 1 else 53
-                    token = base.tokenizer.eos_token_id or 0
                     batch = [DecodeRow(ids=[token] * width, max_new=2, adapter=names[i % len(names)]) for i in range(n)]
                     decoder.decode(
                         batch,
-                        stop_ids=self._stop_ids(base),
+                        stop_ids=stop_ids,
                         pad_id=base.tokenizer.pad_token_id,
                         select=lambda chosen, base=base: self._adapters(base, chosen),
                     )

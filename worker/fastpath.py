@@ -242,6 +242,31 @@ def float_absmax(state: Any) -> torch.Tensor | None:
 
 
 @dataclass(frozen=True)
+class _Layout4bit:
+    """How bitsandbytes reads a packed 4-bit weight (one projection's, or a group's joint buffer), and its two
+    ops on it, called directly: without decoding the scales again or bitsandbytes' ~150 us of Python a call."""
+
+    absmax: torch.Tensor  # float32 per-block scales
+    blocksize: int
+    quant_type: str
+    shape: list[int]  # (out, in) of the unpacked weight
+    dtype: torch.dtype  # compute dtype
+
+    def dense(self, packed: torch.Tensor) -> torch.Tensor:
+        """The weight dequantised as bitsandbytes' dequantise-then-linear path does it for large inputs."""
+        return torch.ops.bitsandbytes.dequantize_4bit.default(
+            packed, self.absmax, self.blocksize, self.quant_type, self.shape, self.dtype
+        )
+
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """bitsandbytes' own 4-bit matmul op (its kernel choice by batch size), as `Linear4bit.forward` calls it."""
+        out = torch.ops.bitsandbytes.gemm_4bit.default(
+            x.to(self.dtype), packed, self.shape, self.absmax, self.blocksize, self.quant_type, bias=bias
+        )
+        return out.to(x.dtype)
+
+
+@dataclass(frozen=True)
 class _Lora:
     a: torch.nn.Module
     b: torch.nn.Module
@@ -279,19 +304,24 @@ class _Proj:
 
     def dense(self) -> torch.Tensor | None:
         """The base weight ready for `F.linear`: a plain layer's own weight, or a CUDA 4-bit weight dequantised
-        exactly as bitsandbytes' dequantise-then-linear path does it for large inputs (the same kernel on the
-        same absmax), in one op instead of bitsandbytes' ~150 us of Python per call. None: the base layer must
-        run itself (4-bit on CPU, where bitsandbytes repacks the weight for its own kernel)."""
+        by one op (`_Layout4bit.dense`). None: the base layer must run itself (4-bit on CPU, where
+        bitsandbytes repacks the weight for its own kernel)."""
         weight = self.base.weight
-        state = getattr(weight, "quant_state", None)
-        if state is None:
+        if getattr(weight, "quant_state", None) is None:
             return weight if isinstance(self.base, torch.nn.Linear) and weight.dtype == self.dtype else None
+        layout = self._layout()
+        return None if layout is None else layout.dense(weight.view(-1, 1))
+
+    def _layout(self) -> _Layout4bit | None:
+        """This 4-bit weight's layout on its float32 scales (None: no scales decoded, the module runs)."""
         if self._absmax is None:
             return None
+        state = self.base.weight.quant_state
         dtype = getattr(self.base, "compute_dtype", None) or self.dtype
-        return torch.ops.bitsandbytes.dequantize_4bit.default(
-            weight.view(-1, 1), self._absmax, state.blocksize, state.quant_type, list(state.shape), dtype
-        )
+        return _Layout4bit(
+            absmax=self._absmax, blocksize=state.blocksize, quant_type=state.quant_type, shape=list(state.shape),
+            dtype=dtype,
+        )  # fmt: skip
 
     def merged(self, adapter: str | None) -> torch.Tensor | None:
         """`dense()` with `adapter`'s fused LoRA delta added into the weight (W + B A, one small matmul per
@@ -305,18 +335,6 @@ class _Proj:
         a, b = self.fused[adapter]
         return torch.addmm(weight, b, a)
 
-    def _4bit(self, x: torch.Tensor) -> torch.Tensor:
-        """bitsandbytes' own 4-bit matmul op (its kernel choice by batch size) on the float32 scales, as
-        `Linear4bit.forward` calls it but without decoding the scales again or its Python around the call."""
-        state = self.base.weight.quant_state
-        dtype = getattr(self.base, "compute_dtype", None) or x.dtype
-        bias = None if self.base.bias is None else self.base.bias.to(dtype)
-        out = torch.ops.bitsandbytes.gemm_4bit.default(
-            x.to(dtype), self.base.weight.view(-1, 1), list(state.shape), self._absmax, state.blocksize,
-            state.quant_type, bias=bias,
-        )  # fmt: skip
-        return out.to(x.dtype)
-
     def __call__(self, x: torch.Tensor, masks: Masks, dense: torch.Tensor | None = None) -> torch.Tensor:
         return self.add_lora(self.base_out(x, dense), x, masks)
 
@@ -324,8 +342,9 @@ class _Proj:
         if dense is not None:
             bias = self.base.bias
             return F.linear(x.to(dense.dtype), dense, None if bias is None else bias.to(dense.dtype)).to(x.dtype)
-        if self._absmax is not None:
-            return self._4bit(x)
+        if (layout := self._layout()) is not None:
+            bias = None if self.base.bias is None else self.base.bias.to(layout.dtype)
+            return layout.matmul(x, self.base.weight.view(-1, 1), bias)
         return self.base(x)
 
     def add_lora(self, result: torch.Tensor, x: torch.Tensor, masks: Masks) -> torch.Tensor:
@@ -371,10 +390,11 @@ class _Group:
     fuses them (compute-dtype copies): A's stacked, B block-diagonal, so one `linear` + `addmm` per adapter
     serves the group; elsewhere each member adds PEFT's exact delta to its slice."""
 
-    def __init__(self, projs: list[_Proj], dtype: torch.dtype) -> None:
+    def __init__(self, projs: list[_Proj], dtype: torch.dtype, *, join: bool = True) -> None:
         self.projs = projs
         self.sizes = [p.base.out_features for p in projs]
-        self.joint = _join_bases(projs, dtype) if len(projs) > 1 else None
+        # join=False: the members run one by one (to compare against the joint matmul).
+        self.joint = _join_bases(projs, dtype) if join and len(projs) > 1 else None
         self.lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         names = set(projs[0].fused)
         if self.joint is not None and names and all(set(p.fused) == names and not p.lora.keys() - names for p in projs):
@@ -384,13 +404,6 @@ class _Group:
                         [p.fused[name][1] for p in projs]))  # fmt: skip
             for p in projs:
                 p.fused = {}  # the joint copies replace them
-
-    @classmethod
-    def separate(cls, projs: list[_Proj]) -> _Group:
-        """The members run one by one (to compare against the joint matmul)."""
-        group = cls.__new__(cls)
-        group.projs, group.sizes, group.joint, group.lora = projs, [p.base.out_features for p in projs], None, {}
-        return group
 
     def dense(self) -> GroupDense:
         if self.joint is not None:
@@ -439,17 +452,6 @@ def _block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-@dataclass(frozen=True)
-class _Layout4bit:
-    """How bitsandbytes reads a (joint) packed 4-bit weight."""
-
-    absmax: torch.Tensor  # float32 per-block scales
-    blocksize: int
-    quant_type: str
-    shape: list[int]  # (out, in) of the unpacked weight
-    dtype: torch.dtype  # compute dtype
-
-
 class _JointBase:
     """The concatenated base weights of a `_Group`, as a `_Proj` runs its base layer (4-bit or plain)."""
 
@@ -457,18 +459,11 @@ class _JointBase:
         self.weight, self.bias, self.quant = weight, bias, quant
 
     def dense(self) -> torch.Tensor:
-        if (q := self.quant) is None:
-            return self.weight
-        return torch.ops.bitsandbytes.dequantize_4bit.default(
-            self.weight, q.absmax, q.blocksize, q.quant_type, q.shape, q.dtype
-        )
+        return self.weight if self.quant is None else self.quant.dense(self.weight)
 
     def base_out(self, x: torch.Tensor, dense: torch.Tensor | None) -> torch.Tensor:
-        if dense is None and (q := self.quant) is not None:
-            out = torch.ops.bitsandbytes.gemm_4bit.default(
-                x.to(q.dtype), self.weight, q.shape, q.absmax, q.blocksize, q.quant_type, bias=self.bias
-            )
-            return out.to(x.dtype)
+        if dense is None and self.quant is not None:
+            return self.quant.matmul(x, self.weight, self.bias)
         weight = self.weight if dense is None else dense
         return F.linear(x.to(weight.dtype), weight, self.bias).to(x.dtype)
 
@@ -530,10 +525,7 @@ class _Layer:
         self.norm1, self.norm2 = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
 
         def group(module: torch.nn.Module, *names: str) -> _Group:
-            projs = [_Proj(getattr(module, n), dtype, fuse=fuse) for n in names]
-            if join:
-                return _Group(projs, dtype)
-            return _Group.separate(projs)
+            return _Group([_Proj(getattr(module, n), dtype, fuse=fuse) for n in names], dtype, join=join)
 
         self.qkv = group(attn, "q_proj", "k_proj", "v_proj")
         self.o = _Proj(attn.o_proj, dtype, fuse=fuse)
