@@ -122,6 +122,11 @@ def status(ctx: click.Context, batch: str | None, as_json: bool, wait: bool) -> 
         click.echo(f"workers seen (last 60 s): {len(info['workers'])}")
         for w in info["workers"]:
             click.echo(f"  {w['name']} (heartbeat {w['last_seen_s']} s ago)")
+        quarantine = info["quarantine"]
+        if quarantine["total"]:
+            click.echo(f"quarantined (unreadable entries moved aside by workers): {quarantine['total']}")
+            for q in quarantine["recent"]:
+                click.echo(f"  {q.get('where')}: {q.get('reason')} -- {q.get('entry')}")
         return
     record = _wait_with_bar(client, batch) if wait else client.status(batch)
     data = record.to_dict(time.time())

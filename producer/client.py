@@ -9,17 +9,28 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import WatchError
 from rq import Queue, Retry
 
 from shared.conn import connect
-from shared.errors import CANCELLED, SubmissionError, ValidationError
+from shared.errors import CANCELLED, BatchClosedError, SubmissionError, ValidationError
 from shared.job import DEFAULT_LIMITS, Job, Limits
 from shared.jobfunc import RUN_DECISION
-from shared.keys import DEFAULT_PREFIX, Keys, followup_id, job_id
+from shared.keys import BATCH_ID_RE, DEFAULT_PREFIX, Keys, followup_id, job_id
 from shared.models import ESCALATES_TO, MODEL_NAMES
+from shared.quarantine import Quarantine
 from shared.result import Result
 from shared.serializer import serializer
-from shared.store import DEFAULT_BATCH_TTL_S, BatchRecord, iter_export, read_batch, record_result
+from shared.store import (
+    DEFAULT_BATCH_TTL_S,
+    BatchRecord,
+    batch_state,
+    iter_export,
+    promote_step,
+    quarantine_summary,
+    read_batch,
+    record_result,
+)
 
 PIPELINE_CHUNK = 1000
 DEFAULT_RETRIES = 3
@@ -28,6 +39,15 @@ DEFAULT_JOB_TIMEOUT_S = 1800
 
 def new_batch_id() -> str:
     return f"b{int(time.time()):x}{secrets.token_hex(4)}"
+
+
+def check_batch_id(batch_id: str) -> str:
+    """A batch id becomes part of Redis keys and job ids: letters, digits, '_' and '-', at most 128."""
+    if not isinstance(batch_id, str) or not BATCH_ID_RE.match(batch_id):
+        raise ValidationError(
+            f"batch id {batch_id!r} is not 1-128 characters of letters, digits, '_' and '-'", field="batch"
+        )
+    return batch_id
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,7 @@ class Client:
         self.queues = {
             m: Queue(self.keys.queue_name(m), connection=self.redis, serializer=serializer) for m in MODEL_NAMES
         }
+        self.quarantine = Quarantine(self.redis, self.keys)
 
     # ---- submit ---------------------------------------------------------------------------
     def submit(self, job: dict[str, Any] | Job, *, model: str | None = None) -> tuple[str, str]:
@@ -94,20 +115,28 @@ class Client:
         escalate: bool = True,
         progress: Any = None,
     ) -> BatchHandle:
-        """Validate every job, then enqueue them pipelined. Items already in `batch_id` are skipped.
+        """Validate every job, then enqueue them. Items already in `batch_id` are skipped, however often and
+        however concurrently they are submitted: each chunk claims its items and enqueues them in one
+        transaction (WATCH on the batch's item set), so an item is counted and enqueued once.
 
-        Raises SubmissionError (nothing enqueued) if any job is invalid or a custom_id repeats.
-        `progress`, if given, is called with the number of jobs enqueued so far.
+        Raises SubmissionError (nothing enqueued) if any job is invalid or a custom_id repeats, and
+        BatchClosedError if `batch_id` names a cancelled or expired batch. Every check runs before the
+        first write. `progress`, if given, is called with the number of jobs handled so far.
         """
+        if batch_id is not None:
+            check_batch_id(batch_id)
         parsed = self._validate_all(jobs, model)
         batch = batch_id or new_batch_id()
-        new = self._new_items(batch, parsed)
-        self._write_batch_header(batch, added=len(new), escalate=escalate)
-        for start in range(0, len(new), PIPELINE_CHUNK):
-            self._enqueue_chunk(batch, new[start : start + PIPELINE_CHUNK])
+        state = batch_state(self.redis, self.keys, batch)
+        if state in ("cancelled", "expired"):
+            raise BatchClosedError(f"batch {batch!r} is {state}; submit into a new batch instead")
+        self._write_batch_header(batch, escalate=escalate)
+        enqueued = 0
+        for start in range(0, len(parsed), PIPELINE_CHUNK):
+            enqueued += self._enqueue_chunk(batch, parsed[start : start + PIPELINE_CHUNK])
             if progress is not None:
-                progress(min(start + PIPELINE_CHUNK, len(new)))
-        return BatchHandle(self, batch, enqueued=len(new), skipped=len(parsed) - len(new))
+                progress(min(start + PIPELINE_CHUNK, len(parsed)))
+        return BatchHandle(self, batch, enqueued=enqueued, skipped=len(parsed) - enqueued)
 
     def _validate_all(self, jobs: Iterable[Job | dict[str, Any]], model: str | None) -> list[Job]:
         parsed: list[Job] = []
@@ -127,13 +156,7 @@ class Client:
             raise SubmissionError(errors)
         return parsed
 
-    def _new_items(self, batch: str, jobs: Sequence[Job]) -> list[Job]:
-        if not jobs or not self.redis.exists(self.keys.batch(batch)):
-            return list(jobs)
-        known = self.redis.smismember(self.keys.batch_item_set(batch), [j.custom_id for j in jobs])
-        return [j for j, k in zip(jobs, known, strict=True) if not k]
-
-    def _write_batch_header(self, batch: str, *, added: int, escalate: bool) -> None:
+    def _write_batch_header(self, batch: str, *, escalate: bool) -> None:
         now = time.time()
         key = self.keys.batch(batch)
         with self.redis.pipeline() as pipe:
@@ -141,24 +164,55 @@ class Client:
             pipe.hset(key, mapping={"id": batch, "expires_at": repr(now + self.batch_ttl_s)})
             if not escalate:
                 pipe.hset(key, "escalate_off", "1")
-            pipe.hincrby(key, "total", added)
             pipe.zadd(self.keys.batches(), {batch: now})
             pipe.expire(key, self.batch_ttl_s)
             pipe.execute()
 
-    def _enqueue_chunk(self, batch: str, jobs: Sequence[Job]) -> None:
-        """Items list, id set and RQ jobs for one chunk go out in one pipelined round trip."""
-        with self.redis.pipeline() as pipe:
-            ids = [j.custom_id for j in jobs]
-            pipe.rpush(self.keys.batch_items(batch), *ids)
-            pipe.sadd(self.keys.batch_item_set(batch), *ids)
-            for key in (self.keys.batch_items(batch), self.keys.batch_item_set(batch)):
-                pipe.expire(key, self.batch_ttl_s)
-            for model in MODEL_NAMES:
-                datas = [self._enqueue_data(batch, j) for j in jobs if j.model == model]
-                if datas:
-                    self.queues[model].enqueue_many(datas, pipeline=pipe)
-            pipe.execute()
+    def _enqueue_chunk(self, batch: str, jobs: Sequence[Job]) -> int:
+        """Claim the chunk's new items and enqueue their RQ jobs in one transaction; retried if a
+        concurrent submitter changed the batch's item set meanwhile. Returns how many were new."""
+        items, id_set = self.keys.batch_items(batch), self.keys.batch_item_set(batch)
+        datas = {j.custom_id: self._enqueue_data(batch, j) for j in jobs}
+        while True:
+            with self.redis.pipeline() as pipe:
+                try:
+                    pipe.watch(id_set)
+                    known = pipe.smismember(id_set, [j.custom_id for j in jobs])
+                    fresh = [j for j, k in zip(jobs, known, strict=True) if not k]
+                    if not fresh:
+                        return 0
+                    self._clear_the_way(batch, fresh)
+                    pipe.multi()
+                    ids = [j.custom_id for j in fresh]
+                    pipe.rpush(items, *ids)
+                    pipe.sadd(id_set, *ids)
+                    for key in (items, id_set):
+                        pipe.expire(key, self.batch_ttl_s)
+                    for model in MODEL_NAMES:
+                        chunk = [datas[j.custom_id] for j in fresh if j.model == model]
+                        if chunk:
+                            self.queues[model].enqueue_many(chunk, pipeline=pipe)
+                    pipe.execute()
+                    return len(fresh)
+                except WatchError:
+                    continue
+
+    def _clear_the_way(self, batch: str, jobs: Sequence[Job]) -> None:
+        """Redis runs every command of a transaction even when one fails, so a key of the wrong type (a
+        hostile or broken writer) would leave an item claimed but not enqueued. Such keys are moved aside
+        (and recorded, as workers do) before the transaction."""
+        names = [self.queues[m].key for m in {j.model for j in jobs}]
+        names += [self.keys.batch_items(batch), self.keys.batch_item_set(batch)]
+        names += [Queue.job_class.key_for(job_id(batch, j.custom_id)) for j in jobs]
+        want = {self.keys.batch_item_set(batch): b"set"}
+        with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.type(name)
+            types = pipe.execute()
+        for name, kind in zip(names, types, strict=True):
+            expected = want.get(name, b"hash" if name.startswith("rq:job:") else b"list")
+            if kind not in (b"none", expected):
+                self.quarantine.move_key(name, f"a {kind.decode()} where a {expected.decode()} belongs")
 
     def _enqueue_data(self, batch: str, job: Job) -> Any:
         payload = replace(job, batch=batch).to_dict()
@@ -200,7 +254,8 @@ class Client:
         workers = self.redis.zrangebyscore(self.keys.workers(), now - 60, "+inf", withscores=True)
         return {
             "queues": {m: q.count for m, q in self.queues.items()},
-            "workers": [{"name": n.decode(), "last_seen_s": round(now - s, 1)} for n, s in workers],
+            "workers": [{"name": n.decode("utf-8", "replace"), "last_seen_s": round(now - s, 1)} for n, s in workers],
+            "quarantine": quarantine_summary(self.redis, self.keys),
         }
 
     # ---- cancel ---------------------------------------------------------------------------
@@ -213,12 +268,15 @@ class Client:
         self.redis.hset(self.keys.batch(batch), "cancel_requested", "1")
         custom_ids = [c.decode() for c in self.redis.lrange(self.keys.batch_items(batch), 0, -1)]
         by_id = {job_id(batch, c): c for c in custom_ids}
+        base_ids = set(by_id)
         by_id.update({followup_id(j, to): c for j, c in list(by_id.items()) for to in ESCALATES_TO.values()})
         cancelled = 0
         for model, queue in self.queues.items():
             for jid in [j for j in queue.get_job_ids() if j in by_id]:
                 if not self.redis.lrem(queue.key, 0, jid):
                     continue  # a worker took it meanwhile; it sees the flag and cancels it itself
+                if jid not in base_ids and promote_step(self.redis, self.keys, batch, by_id[jid]):
+                    continue  # a follow-up: the item keeps its computed Laya answer
                 result = Result.failure(
                     custom_id=by_id[jid],
                     model=model,

@@ -77,6 +77,14 @@ class ConfigError(KevlayaError):
     """The models config or a setting is invalid; raised before anything is loaded."""
 
 
+class BatchClosedError(KevlayaError):
+    """A submission into a batch that was cancelled or has expired; nothing was written."""
+
+
+class WorkerNameTakenError(KevlayaError):
+    """A live worker is registered under the --name this one was given."""
+
+
 class BatchNotFoundError(KevlayaError):
     """No batch with this id exists in Redis (never submitted, or expired)."""
 

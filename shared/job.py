@@ -25,6 +25,8 @@ class Limits:
     max_choice_bytes: int = 1 * KIB
     max_custom_id_chars: int = 256
     max_meta_bytes: int = 16 * KIB
+    # The payload wraps meta in a few more levels, and JSON encoders stop at ~255.
+    max_meta_depth: int = 64
 
 
 DEFAULT_LIMITS = Limits()
@@ -265,10 +267,32 @@ def _seed(value: Any) -> int | None:
 def _meta(value: Any, limits: Limits) -> Any:
     if value is None:
         return None
-    size = len(orjson.dumps(value))
+    depth = _depth(value)
+    if depth > limits.max_meta_depth:
+        raise ValidationError(f"'meta' nests {depth} levels deep; the limit is {limits.max_meta_depth}", field="meta")
+    try:
+        size = len(orjson.dumps(value))
+    except orjson.JSONEncodeError as exc:
+        raise ValidationError(f"'meta' is not JSON: {exc}", field="meta") from exc
     if size > limits.max_meta_bytes:
         raise ValidationError(f"'meta' is {size} bytes of JSON; the limit is {limits.max_meta_bytes}", field="meta")
     return value
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of lists and objects, without recursion (a hostile value can nest thousands deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _optional_str(value: Any, name: str) -> str | None:
@@ -280,7 +304,12 @@ def _optional_str(value: Any, name: str) -> str | None:
 def _parent(value: Any) -> Parent | None:
     if value is None:
         return None
-    try:
-        return Parent(**value)
-    except TypeError as exc:
-        raise ValidationError(f"'parent' is malformed: {exc}", field="parent") from exc
+    if not isinstance(value, dict) or set(value) != {"job_id", "model", "text", "decision", "confidence"}:
+        raise ValidationError("'parent' is malformed", field="parent")
+    strings = all(isinstance(value[k], str) for k in ("job_id", "model", "text"))
+    decision_ok = value["decision"] is None or isinstance(value["decision"], str)
+    conf = value["confidence"]
+    conf_ok = conf is None or (isinstance(conf, (int, float)) and not isinstance(conf, bool) and math.isfinite(conf))
+    if not (strings and decision_ok and conf_ok):
+        raise ValidationError("'parent' has fields of the wrong type", field="parent")
+    return Parent(**value)

@@ -1,11 +1,21 @@
-"""Every Redis key and id kevlaya writes, in one place. The prefix is configurable (default `kevlaya:`)."""
+"""Every Redis key and id kevlaya writes, in one place. The prefix is configurable (default `kevlaya:`).
+
+Keys only workers write live under `<prefix>w:`, so a producer's Redis ACL can be denied writes there
+(README, "Security"); batch keys live under `<prefix>batch:`.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 DEFAULT_PREFIX = "kevlaya:"
+
+# What a batch id may be: it becomes part of Redis keys and RQ job ids, which the worker checks against
+# JOB_ID_RE before it trusts an id read from Redis.
+BATCH_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,256}$")
 
 
 def job_id(batch: str, custom_id: str) -> str:
@@ -58,15 +68,31 @@ class Keys:
 
     def workers(self) -> str:
         """Sorted set: worker name -> last heartbeat timestamp."""
-        return f"{self.prefix}workers"
+        return f"{self.prefix}w:workers"
 
     def worker_stats(self, name: str) -> str:
         """Hash: counters a worker publishes (batches, jobs, switches, peak memory)."""
-        return f"{self.prefix}worker:{name}:stats"
+        return f"{self.prefix}w:worker:{name}:stats"
 
     def counter(self, name: str) -> str:
         """Global counters (e.g. duplicate_final_results: second final answers refused by HSETNX)."""
-        return f"{self.prefix}counter:{name}"
+        return f"{self.prefix}w:counter:{name}"
+
+    def suspects(self, model: str) -> str:
+        """List: JSON groups of job ids whose worker died running them, each run again as one batch."""
+        return f"{self.prefix}w:suspects:{model}"
+
+    def quarantine(self) -> str:
+        """List: JSON records of entries the worker could not read, newest first (capped)."""
+        return f"{self.prefix}w:quarantine"
+
+    def quarantined_key(self, name: str, stamp: float) -> str:
+        """Where a key of the wrong Redis type is renamed to, so nothing reads it again."""
+        return f"{self.prefix}w:quarantined:{stamp:.6f}:{name}"
+
+    def first_seen(self, queue_key: str, job_id: str) -> str:
+        """String: when an id was first seen in RQ's intermediate list (stuck-job sweep)."""
+        return f"{self.prefix}w:first-seen:{queue_key}:{job_id}"
 
     def batch_keys(self, batch: str) -> list[str]:
         return [

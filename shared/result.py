@@ -25,6 +25,7 @@ class Result:
     confidence: for generation, the probability the model gave the decision span it emitted
     (product of those tokens' probabilities); for choices, the normalised probability of the argmax.
     final: True when this is the item's final answer (False for a Laya answer that escalated).
+    not_escalated: set when an escalated answer became final because its follow-up was cancelled.
     """
 
     custom_id: str
@@ -39,6 +40,7 @@ class Result:
     escalated_to: str | None = None
     escalated_from: str | None = None
     final: bool = True
+    not_escalated: str | None = None  # why an answer that escalated ended final after all ("cancelled")
     timing: dict[str, float] = field(default_factory=dict)
     model_version: dict[str, str] = field(default_factory=dict)
     meta: Any = None

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 from redis import Redis
+from redis import exceptions as redis_exceptions
 
 from shared.errors import CANCELLED, BatchNotFoundError
 from shared.keys import Keys
@@ -158,14 +160,16 @@ def _counter_for(result: Result) -> str:
 
 
 def read_batch(redis: Redis, keys: Keys, batch: str) -> BatchRecord:
+    """The batch's record; its total is the size of its item set, so an item submitted twice (concurrently,
+    or again after a partial failure) counts once."""
     with redis.pipeline(transaction=False) as pipe:
         pipe.hgetall(keys.batch(batch))
         pipe.scard(keys.batch_running(batch))
-        raw, running = pipe.execute()
+        pipe.scard(keys.batch_item_set(batch))
+        raw, running, total = pipe.execute()
     if not raw:
         raise BatchNotFoundError(f"no batch {batch!r} (never submitted, or expired)")
-    h = {k.decode(): v.decode() for k, v in raw.items()}
-    total = int(h.get("total", 0))
+    h = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()}
     finished, failed, cancelled = (int(h.get(f, 0)) for f in ("finished", "failed", "cancelled"))
     running = min(int(running), max(total - finished - failed - cancelled, 0))
     counts = BatchCounts(
@@ -190,9 +194,65 @@ def read_batch(redis: Redis, keys: Keys, batch: str) -> BatchRecord:
 
 
 def batch_flags(redis: Redis, keys: Keys, batch: str) -> tuple[bool, bool]:
-    """(cancel_requested, escalate_off) for a batch, read in one round trip; both False if it is gone."""
-    cancel, no_escalate = redis.hmget(keys.batch(batch), ["cancel_requested", "escalate_off"])
+    """(cancel_requested, escalate_off) for a batch, read in one round trip; both False if it is gone
+    (or is not a hash: its results are then refused when written)."""
+    try:
+        cancel, no_escalate = redis.hmget(keys.batch(batch), ["cancel_requested", "escalate_off"])
+    except redis_exceptions.ResponseError:
+        return False, False
     return cancel == b"1", no_escalate == b"1"
+
+
+def promote_step(redis: Redis, keys: Keys, batch: str, custom_id: str) -> bool:
+    """End an item with its computed Laya answer when the Kev follow-up it escalated to is cancelled.
+    True when the item now has a final answer (this one, or one written before)."""
+    raw = redis.hget(keys.batch_steps(batch), custom_id)
+    if raw is None:
+        return False
+    try:
+        step = Result.from_json(raw)
+    except (orjson.JSONDecodeError, TypeError):
+        return False
+    final = replace(step, final=True, escalated_to=None, not_escalated=CANCELLED)
+    return record_result(redis, keys, final) is not None
+
+
+def trim_indexes(redis: Redis, keys: Keys, *, max_age_s: float) -> None:
+    """Drop batches from the index long after their keys expired. An expired batch stays listed for one
+    more TTL, so a resubmit into it is refused as expired rather than silently starting over."""
+    with contextlib.suppress(redis_exceptions.ResponseError):
+        redis.zremrangebyscore(keys.batches(), "-inf", time.time() - 2 * max_age_s)
+
+
+def batch_state(redis: Redis, keys: Keys, batch: str) -> str:
+    """'new', 'open', 'cancelled' or 'expired' (listed in the index, but its keys are gone)."""
+    try:
+        with redis.pipeline(transaction=False) as pipe:
+            pipe.hget(keys.batch(batch), "cancel_requested")
+            pipe.exists(keys.batch(batch))
+            pipe.zscore(keys.batches(), batch)
+            cancel, exists, listed = pipe.execute()
+    except redis_exceptions.ResponseError:
+        return "open"  # a wrong-typed key: the writes will say so
+    if exists:
+        return "cancelled" if cancel == b"1" else "open"
+    return "expired" if listed is not None else "new"
+
+
+def quarantine_summary(redis: Redis, keys: Keys, n: int = 5) -> dict[str, Any]:
+    """How many entries workers moved aside as unreadable, and the newest few (for `kevlaya status`)."""
+    try:
+        total = int(redis.get(keys.counter("quarantined")) or 0)
+        rows = redis.lrange(keys.quarantine(), 0, n - 1)
+    except (redis_exceptions.ResponseError, ValueError):
+        return {"total": 0, "recent": []}
+    recent = []
+    for row in rows:
+        try:
+            recent.append(orjson.loads(row))
+        except orjson.JSONDecodeError:
+            continue
+    return {"total": total, "recent": recent}
 
 
 def iter_export(redis: Redis, keys: Keys, batch: str) -> Iterator[dict[str, Any]]:
@@ -221,5 +281,7 @@ def _export_row(custom_id: str, final: bytes | None, step: bytes | None) -> dict
     else:
         row = orjson.loads(final)
     if step is not None:
-        row["chain"] = [orjson.loads(step)]
+        laya = orjson.loads(step)
+        if laya.get("job_id") != row.get("job_id"):  # not the step itself, promoted on cancel
+            row["chain"] = [laya]
     return row

@@ -1,4 +1,6 @@
-"""Tests run against a real Redis: database 15 of $REDIS_URL's server, flushed around each test."""
+"""Tests run against a real Redis the suite starts itself (a private redis-server on a free port), flushed
+around each test; never a Redis it did not start. KEVLAYA_TEST_REDIS_URL names another one explicitly (its
+database is flushed: point it only at a Redis you own)."""
 
 from __future__ import annotations
 
@@ -10,18 +12,17 @@ import pytest
 from redis import Redis
 
 from producer.client import Client
-
-TEST_DB = 15
-
-
-def _test_url() -> str:
-    base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-    return base.rsplit("/", 1)[0] + f"/{TEST_DB}" if base.count("/") >= 3 else f"{base}/{TEST_DB}"
+from worker.embedded_redis import EmbeddedRedis
 
 
-@pytest.fixture
-def redis_url() -> str:
-    return _test_url()
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    explicit = os.environ.get("KEVLAYA_TEST_REDIS_URL")
+    if explicit:
+        yield explicit
+        return
+    with EmbeddedRedis() as server:
+        yield server.url
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from rq import Queue, Retry
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.worker import SimpleWorker
 
+from shared.keys import Keys
 from shared.serializer import serializer
 from worker.rqcompat import RQBridge, decode_job, parse_rq_time
 
@@ -35,7 +36,7 @@ def test_enqueue_many_writes_what_we_decode(redis: Redis) -> None:
 def test_take_registers_in_rqs_started_registry(redis: Redis) -> None:
     queue = Queue("kevlaya:kev", connection=redis, serializer=serializer)
     queue.enqueue_many([Queue.prepare_data("worker.jobs.run_decision", args=[{}], job_id=f"j{i}") for i in range(3)])
-    bridge = RQBridge(redis, {"kev": "kevlaya:kev"}, "w1")
+    bridge = RQBridge(redis, Keys(), ["kev"], "w1")
     bridge.begin_batch()
     assert bridge.take("kev", 2, ttl_s=30) == ["j0", "j1"]
     registry = StartedJobRegistry(queue=queue)
@@ -50,7 +51,7 @@ def test_take_registers_in_rqs_started_registry(redis: Redis) -> None:
 
 
 def test_worker_registration_keys(redis: Redis) -> None:
-    bridge = RQBridge(redis, {"kev": "kevlaya:kev"}, "w2")
+    bridge = RQBridge(redis, Keys(), ["kev"], "w2")
     worker = bridge.make_rq_worker(10)
     worker.register_birth()
     assert bridge.worker_alive("w2")

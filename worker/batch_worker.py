@@ -34,14 +34,17 @@ from shared.job import Job, Parent
 from shared.keys import DEFAULT_PREFIX, Keys, followup_id
 from shared.models import ESCALATES_TO, MODEL_NAMES
 from shared.result import Result
-from shared.store import DEFAULT_BATCH_TTL_S, batch_flags, record_result
+from shared.store import DEFAULT_BATCH_TTL_S, batch_flags, promote_step, record_result, trim_indexes
 from worker.escalation import escalation_reason
 from worker.faults import maybe_crash
 from worker.outputs import RowOutput
 from worker.policy import QueueState, choose_model
-from worker.rqcompat import RawJob, RQBridge
+from worker.recovery import plan_recovery
+from worker.rqcompat import Abandoned, RawJob, RQBridge, Taken
 
 log = logging.getLogger("kevlaya.worker")
+
+WORKER_INDEX_AGE_S = 86400  # workers unseen this long leave the `kevlaya status` index
 
 
 class EngineLike(Protocol):
@@ -81,6 +84,9 @@ class WorkerStats:
     switches: int = 0
     escalations: int = 0
     recovered: int = 0
+    crashes_survived: int = 0
+    dead_lettered: int = 0
+    quarantined: int = 0
     mixed_batches: int = 0
     generated_tokens: int = 0
     engine_s: float = 0.0
@@ -111,13 +117,14 @@ class BatchWorker:
         self.settings = settings
         self.keys = Keys(settings.prefix)
         self.name = settings.name or f"kevlaya-{socket.gethostname()}-{uuid.uuid4().hex[:8]}".replace(":", "-")
-        self.bridge = RQBridge(redis, {m: self.keys.queue_name(m) for m in MODEL_NAMES}, self.name)
+        self.bridge = RQBridge(redis, self.keys, MODEL_NAMES, self.name)
         self.stats = WorkerStats()
         self.current_model: str | None = None
         self._stop = threading.Event()
         self._in_flight: dict[str, list[str]] = {}
         self._lock = threading.Lock()
         self._last_recovery = 0.0
+        self._suspect_turn = True  # suspect groups and normal takes alternate: neither waits behind the other
         self._redis_ok_since = time.time()  # reset on every Redis error (see _maybe_recover)
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -130,7 +137,7 @@ class BatchWorker:
     def work(self) -> WorkerStats:
         self._install_signals()
         rq_worker = self._wait_for_redis(lambda: self.bridge.make_rq_worker(self.settings.worker_ttl_s))
-        self._wait_for_redis(rq_worker.register_birth)
+        self._wait_for_redis(lambda: self.bridge.register(rq_worker, worker_ttl_s=self.settings.worker_ttl_s))
         # RQ's birth gives the worker key worker_ttl + 60 s; beat once now, so a crash right after start is
         # noticed within worker_ttl, not a minute later.
         self._wait_for_redis(lambda: rq_worker.heartbeat(self.settings.worker_ttl_s))
@@ -184,6 +191,7 @@ class BatchWorker:
                     rq_worker.register_birth()  # the key expired while Redis was away: announce ourselves again
                 rq_worker.heartbeat(self.settings.worker_ttl_s)
                 self.redis.zadd(self.keys.workers(), {self.name: time.time()})
+                self.redis.zremrangebyscore(self.keys.workers(), "-inf", time.time() - WORKER_INDEX_AGE_S)
                 with self._lock:
                     in_flight = {m: list(ids) for m, ids in self._in_flight.items()}
                 for model, ids in in_flight.items():
@@ -197,8 +205,14 @@ class BatchWorker:
         """One batch, or one idle poll. Returns False when a burst worker should exit."""
         self._maybe_recover()
         now = time.time()
-        depths = self.bridge.depth_and_oldest()
-        states = {m: QueueState(d, (now - t) * 1000 if (d and t) else 0.0) for m, (d, t) in depths.items()}
+        facts = self.bridge.queue_facts()
+        states = {
+            m: QueueState(
+                f.depth + f.suspect_groups,
+                (now - f.oldest_enqueued_at) * 1000 if (f.depth and f.oldest_enqueued_at) else 0.0,
+            )
+            for m, f in facts.items()
+        }
         model = choose_model(self.current_model, states, max_wait_ms=self.settings.max_wait_ms)
         if model is None:
             if self.settings.burst and not self._anything_recoverable():
@@ -208,24 +222,35 @@ class BatchWorker:
         if self.current_model is not None and model != self.current_model:
             self.stats.switches += 1
         self.current_model = model
-        self._run_batch(model, states)
+        self._run_batch(model, states, suspects=facts[model].suspect_groups, normal=facts[model].depth)
         return True
 
-    def _run_batch(self, model: str, states: dict[str, QueueState]) -> None:
+    def _run_batch(self, model: str, states: dict[str, QueueState], *, suspects: int, normal: int) -> None:
         self.bridge.begin_batch()
-        limit = self.engine.max_rows(model)
         ttl = self.settings.job_heartbeat_ttl_s
-        taken = [_Taken(model, r) for r in self.bridge.load(self.bridge.take(model, limit, ttl_s=ttl))]
-        other = next((m for m in MODEL_NAMES if m != model), None)
-        if self._fill_tail(model, other, len(taken), limit, states):
-            extra = self.bridge.load(self.bridge.take(other, limit - len(taken), ttl_s=ttl))
-            taken += [_Taken(other, r) for r in extra]
+        taken: list[_Taken] = []
+        group: Taken | None = None
+        if suspects and (self._suspect_turn or not normal):
+            group = self.bridge.take_group(model, ttl_s=ttl)
+        self._suspect_turn = group is None
+        if group is not None:
+            taken = [_Taken(model, r) for r in group.jobs]
+        else:
+            limit = self.engine.max_rows(model)
+            taken = [_Taken(model, r) for r in self.bridge.load(self.bridge.take(model, limit, ttl_s=ttl))]
+            other = next((m for m in MODEL_NAMES if m != model), None)
+            if self._fill_tail(model, other, len(taken), limit, states):
+                extra = self.bridge.load(self.bridge.take(other, limit - len(taken), ttl_s=ttl))
+                taken += [_Taken(other, r) for r in extra]
         if not taken:
             return
         with self._lock:
             self._in_flight = {m: [t.raw.id for t in taken if t.model == m] for m in {t.model for t in taken}}
         try:
-            self._process(taken)
+            if group is not None and group.dead:
+                self._dead_letter(taken)
+            else:
+                self._process(taken)
         finally:
             with self._lock:
                 self._in_flight = {}
@@ -239,9 +264,9 @@ class BatchWorker:
 
     # ---- processing a taken batch -------------------------------------------------------------
     def _process(self, taken: list[_Taken]) -> None:
-        """Refused, already-answered and cancelled jobs are written first; then the normal jobs run as one
-        batch; then at most one *suspect* (its worker died running it) runs alone -- the other suspects go
-        back to the queue untouched, so a poison job can only ever take itself down."""
+        """Refused, already-answered and cancelled jobs are written first; then the rest run as one batch.
+        A take is either normal jobs or one suspect group (worker.recovery), never both, so a crash is
+        charged to exactly the jobs that were running."""
         started = time.time()
         runnable: list[tuple[_Taken, Job]] = []
         finished: list[tuple[_Taken, Result | None]] = []
@@ -254,28 +279,44 @@ class BatchWorker:
             elif t.raw.id in done:
                 finished.append((t, None))  # answered before a crash; only RQ bookkeeping is left
             elif flags.get(job.batch, (False, False))[0]:
-                finished.append((t, self._failure(t, job, CANCELLED, "batch cancelled before this item ran")))
+                finished.append((t, self._cancelled(t, job)))
             else:
                 runnable.append((t, job))
-        suspects = [(t, j) for t, j in runnable if t.raw.suspect]
-        for t, _ in suspects[1:]:
-            self.bridge.give_back(t.model, t.raw.id)
-        groups = [[(t, j) for t, j in runnable if not t.raw.suspect], suspects[:1]]
         self._write(finished)
         outputs: list[Any] = []
-        ran: list[tuple[_Taken, Job]] = []
-        for group in (g for g in groups if g):
+        if runnable:
             group_started = time.time()
-            outs = self._run_engine([j for _, j in group])
-            engine_s = time.time() - group_started  # this group's own engine time, not the batch's so far
+            outputs = self._run_engine([j for _, j in runnable])
+            engine_s = time.time() - group_started
             results = [
-                (t, self._result(t, job, out, engine_s, len(group), flags))
-                for (t, job), out in zip(group, outs, strict=True)
+                (t, self._result(t, job, out, engine_s, len(runnable), flags))
+                for (t, job), out in zip(runnable, outputs, strict=True)
             ]
-            self._write(results)  # each group's results are safe before the next group runs
-            outputs += outs
-            ran += group
-        self._account(taken, ran, outputs, started, time.time() - started)
+            self._write(results)
+        self._account(taken, runnable, outputs, started, time.time() - started)
+
+    def _cancelled(self, t: _Taken, job: Job) -> Result | None:
+        """A cancelled batch's job. A Kev follow-up whose Laya answer exists ends the item with that answer
+        (computed work is kept); anything else ends as `cancelled`."""
+        promoted = job.parent is not None and job.batch is not None
+        if promoted and promote_step(self.redis, self.keys, job.batch or "", job.custom_id):
+            return None  # the item's final answer is written; only RQ bookkeeping is left
+        return self._failure(t, job, CANCELLED, "batch cancelled before this item ran")
+
+    def _dead_letter(self, taken: list[_Taken]) -> None:
+        """Jobs that killed their worker again while running alone: failed for good, never run again."""
+        results: list[tuple[_Taken, Result | None]] = []
+        for t in taken:
+            payload = t.raw.payload or {}
+            log.error("job %s: its worker died each time it ran (%d crashes); failing it", t.raw.id, t.raw.crashes)
+            result = self._failure_from(
+                t, payload, WORKER_DIED, f"the worker died while running it ({t.raw.crashes} crashes)"
+            )
+            if isinstance(payload.get("meta"), (dict, list, str, int, float)):
+                result = replace(result, meta=payload.get("meta"))
+            results.append((t, result))
+        self.stats.dead_lettered += len(results)
+        self._write(results)
 
     def _decode(self, t: _Taken) -> Job | Result:
         """The job, or an error result for a job that cannot run (hostile, malformed, invalid)."""
@@ -288,6 +329,8 @@ class BatchWorker:
             job = Job.from_dict(payload, allow_system=True)
         except ValidationError as exc:
             return self._failure_from(t, payload, BAD_PAYLOAD, f"invalid payload: {exc}")
+        except Exception as exc:  # any bytes can be in Redis: whatever the validator trips on fails this job only
+            return self._failure_from(t, payload, BAD_PAYLOAD, f"unreadable payload: {type(exc).__name__}")
         if job.model != t.model:
             return self._failure_from(t, payload, BAD_PAYLOAD, f"job for {job.model!r} found on the {t.model} queue")
         return job
@@ -334,8 +377,8 @@ class BatchWorker:
                     )
                 else:
                     pipe.hexists(key, job.custom_id)
-            found = pipe.execute()
-        return {t.raw.id for (t, _), f in zip(items, found, strict=True) if f and f != b""}
+            found = pipe.execute(raise_on_error=False)  # a wrong-typed batch key reads as "not done"
+        return {t.raw.id for (t, _), f in zip(items, found, strict=True) if isinstance(f, int) and f}
 
     def _flags(self, batches: set[str]) -> dict[str, tuple[bool, bool]]:
         return {b: batch_flags(self.redis, self.keys, b) for b in batches}
@@ -411,7 +454,7 @@ class BatchWorker:
             if result is not None and result.escalated_to:
                 follow_ups.append(self._enqueue_followup(t, result))
             if result is not None and result.batch is not None:
-                first = record_result(self.redis, self.keys, result)
+                first = self._record(t, result)
                 if first is None:
                     log.warning(
                         "job %s: %r is not an item of batch %s; result not written",
@@ -429,6 +472,15 @@ class BatchWorker:
         if follow_ups:
             # The longest by characters stands for all (encoding each would cost ~0.3 ms a job).
             self.engine.expect(max(follow_ups, key=_prompt_chars))
+
+    def _record(self, t: _Taken, result: Result) -> bool | None:
+        """record_result, but a batch whose keys a hostile writer replaced with other types costs only this
+        result (quarantined), never the worker."""
+        try:
+            return record_result(self.redis, self.keys, result)
+        except redis.exceptions.ResponseError as exc:
+            self.bridge.quarantine.put(self.keys.batch(result.batch or ""), f"batch keys unusable: {exc}", t.raw.id)
+            return None
 
     def _enqueue_followup(self, t: _Taken, result: Result) -> Job:
         job = Job.from_dict(t.raw.payload or {}, allow_system=True)
@@ -463,37 +515,43 @@ class BatchWorker:
         with self._lock:
             in_flight = {i for ids in self._in_flight.values() for i in ids}
         for model in MODEL_NAMES:
-            for member, job_id in self.bridge.abandoned(model, in_flight=in_flight, others=others):
-                if self.bridge.claim(model, member):
-                    self._recover_one(model, job_id)
+            entries = self.bridge.abandoned(model, in_flight=in_flight, others=others)
+            self.bridge.requeue_lost(model, [e for e in entries if not e.crashed])
+            takes: dict[str, list[Abandoned]] = {}
+            for e in entries:
+                if e.crashed:
+                    takes.setdefault(e.exec_id, []).append(e)
+            for dead_take in takes.values():
+                self._recover_take(model, dead_take)
             for job_id in self.bridge.stuck_intermediate(model, older_than_s=30):
-                self.bridge.requeue_front(model, job_id, use_retry=False, suspect=False)
+                self.bridge.requeue_front(model, job_id)
                 self.stats.recovered += 1
+        self.bridge.cleanup_registries()
+        trim_indexes(self.redis, self.keys, max_age_s=self.settings.result_ttl_s)
+        self.stats.quarantined = self.bridge.quarantine.count
 
-    def _recover_one(self, model: str, job_id: str) -> None:
-        """A job whose worker died: requeue it (marked suspect, so it runs alone) or fail it for good."""
-        self.stats.recovered += 1
-        if self.bridge.retries_left(job_id) > 0:
-            log.warning("recovering job %s of a dead worker: requeued", job_id)
-            self.bridge.requeue_front(model, job_id, use_retry=True, suspect=True)
-            return
-        (raw,) = self.bridge.load([job_id])
-        t = _Taken(model, raw)
-        payload = raw.payload or {}
-        log.error("job %s: its worker died on every attempt; failing it", job_id)
-        result = self._failure_from(
-            t, payload, WORKER_DIED, f"the worker died while running it ({raw.attempts} attempts)"
-        )
-        if isinstance(payload.get("meta"), (dict, list, str, int, float)):
-            result = replace(result, meta=payload.get("meta"))
-        self._write([(t, result)])
+    def _recover_take(self, model: str, entries: list[Abandoned]) -> None:
+        """The jobs one dead take was running go back as suspect groups: halves, or written off when a job
+        killed its worker again running alone (worker.recovery)."""
+        ids = [e.job_id for e in entries]
+        crashes = {i: c + 1 for i, c in self.bridge.crash_counts(ids).items()}
+        groups = plan_recovery(ids, crashes)
+        if self.bridge.to_suspects(model, entries, crashes, groups):
+            self.stats.recovered += len(ids)
+            self.stats.crashes_survived += 1
+            log.warning(
+                "recovered %d job(s) of a dead worker as %s",
+                len(ids),
+                " + ".join(("dead " if g.dead else "") + str(len(g.ids)) for g in groups),
+            )
 
     def _anything_recoverable(self) -> bool:
         """For --burst: jobs still registered as running somewhere, which may come back to the queue."""
         if self.bridge.pending_started() == 0:
             return False
         self._maybe_recover(force=True)
-        return self.bridge.pending_started() > 0 or any(d for d, _ in self.bridge.depth_and_oldest().values())
+        facts = self.bridge.queue_facts().values()
+        return self.bridge.pending_started() > 0 or any(f.depth or f.suspect_groups for f in facts)
 
     # ---- stats --------------------------------------------------------------------------------
     def _account(

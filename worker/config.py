@@ -63,6 +63,8 @@ class ModelSpec:
     max_new_tokens: int
     decision_prefix: str | None
     escalation: EscalationRule | None
+    # Whether a job's `input.system` may replace the system prompt (as user text, never control tokens).
+    job_may_set_system: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +135,7 @@ _MODEL_KEYS = {
     "max_new_tokens",
     "decision_prefix",
     "escalation",
+    "job_may_set_system",
 }
 
 
@@ -158,7 +161,15 @@ def _model(name: str, table: dict[str, Any], bases: dict[str, BaseSpec], root: P
         max_new_tokens=max_new,
         decision_prefix=table.get("decision_prefix", "Decision:"),
         escalation=_escalation(name, table.get("escalation")),
+        job_may_set_system=_flag(table, "job_may_set_system", f"[models.{name}]"),
     )
+
+
+def _flag(table: dict[str, Any], key: str, where: str) -> bool:
+    value = table.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where} {key} must be true or false, got {value!r}")
+    return value
 
 
 def _escalation(name: str, table: dict[str, Any] | None) -> EscalationRule | None:

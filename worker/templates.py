@@ -23,9 +23,13 @@ class Segment:
     user: bool
 
 
-def render(template: str, job: Job, *, system: str) -> list[Segment]:
-    """Fill `{prompt}`, `{system}`, `input` fields and `{laya_*}` (follow-ups); `{{`/`}}` escape braces."""
-    values = _values(job, system)
+def render(template: str, job: Job, *, system: str, job_may_set_system: bool = False) -> list[Segment]:
+    """Fill `{prompt}`, `{system}`, `input` fields and `{laya_*}` (follow-ups); `{{`/`}}` escape braces.
+
+    Only our own system text is a literal segment. Everything that came with the job -- `prompt`, every
+    `input` field, an `input.system` (refused unless the model allows it), a parent's answer -- is user text,
+    tokenised as text, so no field can open or close a template turn."""
+    values, trusted = _values(job, system, job_may_set_system=job_may_set_system)
     segments: list[Segment] = []
     pos = 0
     for match in _PLACEHOLDER.finditer(template):
@@ -37,26 +41,41 @@ def render(template: str, job: Job, *, system: str) -> list[Segment]:
             name = match.group(1)
             if name not in values:
                 raise JobFailure(INVALID_JOB, f"the template needs field {name!r}, which this job does not give")
-            # Our own system text is trusted; everything that came with the job is user text.
-            _append(segments, values[name], user=name != "system")
+            _append(segments, values[name], user=name not in trusted)
         pos = match.end()
     _append(segments, template[pos:], user=False)
     return segments
 
 
-def _values(job: Job, system: str) -> dict[str, str]:
-    values = {"system": system}
+# Template fields the job cannot give through `input`: they are ours, or the parent's answer.
+_RESERVED = frozenset({"laya_answer", "laya_decision", "laya_confidence"})
+
+
+def _values(job: Job, system: str, *, job_may_set_system: bool) -> tuple[dict[str, str], set[str]]:
+    """(field -> text, the fields that are our own literal text)."""
+    values, trusted = {"system": system}, {"system"}
     if job.prompt is not None:
         values["prompt"] = job.prompt
     if job.input:
-        values.update(job.input)
+        for name, text in job.input.items():
+            if name in _RESERVED:
+                raise JobFailure(INVALID_JOB, f"input field {name!r} is reserved for escalation follow-ups")
+            if name == "system":
+                if not job_may_set_system:
+                    raise JobFailure(
+                        INVALID_JOB,
+                        "input field 'system': this model does not let a job replace its system prompt "
+                        "(models config: job_may_set_system = true)",
+                    )
+                trusted.discard("system")
+            values[name] = text
         values.setdefault("prompt", "\n".join(f"{k}: {v}" for k, v in job.input.items()))
     if job.parent is not None:
         values["laya_answer"] = job.parent.text
         values["laya_decision"] = job.parent.decision or ""
         conf = job.parent.confidence
         values["laya_confidence"] = "unknown" if conf is None else f"{conf:.2f}"
-    return values
+    return values, trusted
 
 
 def _append(segments: list[Segment], text: str, *, user: bool) -> None:
@@ -88,7 +107,7 @@ def prompt_pieces_many(tokenizer: Any, requests: list[tuple[Any, Job]]) -> list[
     for spec, job in requests:
         template = spec.followup_template if (job.parent is not None and spec.followup_template) else spec.template
         try:
-            rendered.append(render(template, job, system=spec.system))
+            rendered.append(render(template, job, system=spec.system, job_may_set_system=spec.job_may_set_system))
         except JobFailure as failure:
             rendered.append(failure)
     user_texts = [seg.text for segs in rendered if isinstance(segs, list) for seg in segs if seg.user]
