@@ -18,6 +18,8 @@ def test_short_soak_loses_nothing(tmp_path: Path) -> None:
             "20",
             "--faults-every",
             "3,7",
+            "--batch-rows",
+            "64",
             "--out",
             str(tmp_path),
             "--no-results-row",
@@ -27,3 +29,5 @@ def test_short_soak_loses_nothing(tmp_path: Path) -> None:
     assert report["lost"] == 0
     assert report["duplicate_final_results"] == 0
     assert report["final_results"] == 300
+    assert report["count_mismatches"] == 0 and report["unexpected_exits"] == 0
+    assert report["hostile_writes"] > 0 and report["quarantined"] > 0
