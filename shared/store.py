@@ -217,11 +217,14 @@ def promote_step(redis: Redis, keys: Keys, batch: str, custom_id: str) -> bool:
     return record_result(redis, keys, final) is not None
 
 
-def trim_indexes(redis: Redis, keys: Keys, *, max_age_s: float) -> None:
-    """Drop batches from the index long after their keys expired. An expired batch stays listed for one
-    more TTL, so a resubmit into it is refused as expired rather than silently starting over."""
+def trim_indexes(redis: Redis, keys: Keys, *, batch_age_s: float, worker_age_s: float) -> None:
+    """Drop batches from the index long after their keys expired, and workers long unseen. An expired batch
+    stays listed for one more TTL, so a resubmit into it is refused as expired rather than starting over."""
+    now = time.time()
     with contextlib.suppress(redis_exceptions.ResponseError):
-        redis.zremrangebyscore(keys.batches(), "-inf", time.time() - 2 * max_age_s)
+        redis.zremrangebyscore(keys.batches(), "-inf", now - 2 * batch_age_s)
+    with contextlib.suppress(redis_exceptions.ResponseError):
+        redis.zremrangebyscore(keys.workers(), "-inf", now - worker_age_s)
 
 
 def batch_state(redis: Redis, keys: Keys, batch: str) -> str:

@@ -125,3 +125,16 @@ def test_a_live_worker_with_the_same_name_is_refused(redis: Redis) -> None:
     other = RQBridge(redis, Keys(), ["laya"], "fixed")
     with pytest.raises(WorkerNameTakenError, match="pick another --name"):
         other.register(other.make_rq_worker(20), worker_ttl_s=20)
+
+
+def test_index_keys_are_trimmed_by_age(client: Client, redis: Redis) -> None:
+    import time
+
+    keys = Keys()
+    redis.zadd(keys.batches(), {"ancient": time.time() - 3 * 7 * 86400, "recent": time.time()})
+    redis.zadd(keys.workers(), {"gone": time.time() - 2 * 86400})
+    redis.zadd("rq:finished:kevlaya:laya", {"old-job": time.time() - 10})  # score = expiry, passed
+    BatchWorker(redis, FakeEngine(), WorkerSettings(burst=True, name="w1")).work()
+    assert redis.zrange(keys.batches(), 0, -1) == [b"recent"]
+    assert redis.zscore(keys.workers(), "gone") is None
+    assert redis.zcard("rq:finished:kevlaya:laya") == 0

@@ -191,7 +191,6 @@ class BatchWorker:
                     rq_worker.register_birth()  # the key expired while Redis was away: announce ourselves again
                 rq_worker.heartbeat(self.settings.worker_ttl_s)
                 self.redis.zadd(self.keys.workers(), {self.name: time.time()})
-                self.redis.zremrangebyscore(self.keys.workers(), "-inf", time.time() - WORKER_INDEX_AGE_S)
                 with self._lock:
                     in_flight = {m: list(ids) for m, ids in self._in_flight.items()}
                 for model, ids in in_flight.items():
@@ -527,7 +526,7 @@ class BatchWorker:
                 self.bridge.requeue_front(model, job_id)
                 self.stats.recovered += 1
         self.bridge.cleanup_registries()
-        trim_indexes(self.redis, self.keys, max_age_s=self.settings.result_ttl_s)
+        trim_indexes(self.redis, self.keys, batch_age_s=self.settings.result_ttl_s, worker_age_s=WORKER_INDEX_AGE_S)
         self.stats.quarantined = self.bridge.quarantine.count
 
     def _recover_take(self, model: str, entries: list[Abandoned]) -> None:
