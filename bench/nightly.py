@@ -40,12 +40,13 @@ from bench.noop import NoopEngine
 from producer.client import Client
 from shared.job import Job
 from shared.serializer import serializer
-from worker.batch_worker import BatchWorker, WorkerSettings
 from worker.config import load_config
 from worker.demo import prepare_models
 from worker.embedded_redis import EmbeddedRedis
 from worker.engine import Engine
+from worker.loop import BatchWorker
 from worker.memory import MIB, parse_bytes
+from worker.settings import WorkerSettings
 
 WORDS = tuple(
     "loan income debt ratio history clean late payments amount requested category personal car home business "
@@ -72,7 +73,7 @@ def tokenizer(engine: Engine) -> Any:
 
 
 def run_worker(redis: Redis, engine: Any, **settings: Any) -> tuple[BatchWorker, threading.Thread]:
-    worker = BatchWorker(redis, engine, WorkerSettings(**settings))
+    worker = BatchWorker(redis, engine, engine.config, WorkerSettings(**settings))
     thread = threading.Thread(target=worker.work, daemon=True)
     thread.start()
     return worker, thread
@@ -216,7 +217,8 @@ def queue_layer(redis: Redis, n: int) -> dict[str, Any]:
     client = Client(redis=redis)
     handle = client.submit_batch([{"custom_id": f"q{i}", "model": "laya", "prompt": "x"} for i in range(n)])
     start = time.perf_counter()
-    BatchWorker(redis, NoopEngine(), WorkerSettings(burst=True, name="noop")).work()
+    noop = NoopEngine()
+    BatchWorker(redis, noop, noop.config, WorkerSettings(burst=True, name="noop")).work()
     ours = time.perf_counter() - start
     assert client.status(handle.id).complete
     queue = Queue("bench-noop", connection=redis, serializer=serializer)

@@ -7,11 +7,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from shared.job import Job
+from worker.config import config_from_toml
 from worker.outputs import RowOutput
+
+NOOP_CONFIG = '[base]\npath = "noop"\n'  # every model with its shipped defaults; nothing is loaded
 
 
 class NoopEngine:
     """Answers every job at once; everything else about the worker (Redis, bookkeeping) is real."""
+
+    def __init__(self) -> None:
+        self.config = config_from_toml(NOOP_CONFIG)
 
     def run(self, jobs: Sequence[Job], *, time_limit_s: float | None = None) -> list[RowOutput]:
         return [RowOutput(text="ok", decision="ok", confidence=1.0, prompt_tokens=1, completion_tokens=1) for _ in jobs]
@@ -21,18 +27,6 @@ class NoopEngine:
 
     def expect(self, job: Job) -> None:
         pass
-
-    def model_version(self, model: str) -> dict[str, str]:
-        return {"base": "noop"}
-
-    def escalation_rule(self, model: str) -> Any:
-        return None
-
-    def shares_base(self, a: str, b: str) -> bool:
-        return True
-
-    def peak_memory_bytes(self) -> int:
-        return 0
 
 
 def noop_job(payload: dict[str, Any]) -> str:

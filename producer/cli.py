@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import sys
 import time
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import click
@@ -17,32 +18,37 @@ from shared.errors import BatchNotFoundError, KevlayaError, SubmissionError
 from shared.keys import DEFAULT_PREFIX
 from shared.models import MODEL_NAMES
 
-# Worker-side commands live in worker.cli and are imported only when called, so a producer-only
-# install (no torch) still has a working `kevlaya submit/status/results/cancel`.
-_LAZY_COMMANDS = {
-    "worker": "worker.cli:worker_command",
-    "memory": "worker.cli:memory_command",
-    "demo": "worker.cli:demo_command",
-    "demo-models": "worker.cli:demo_models_command",
-    "train": "worker.cli:train_command",
-    "eval": "worker.cli:eval_command",
-}
+# Commands of other parts of the distribution (the worker's: worker, memory, train, eval, demo...) are
+# registered as `kevlaya.commands` entry points and imported only when called: the producer names no worker
+# module, and an install without the worker extra lists only the commands it can run.
+COMMAND_GROUP = "kevlaya.commands"
+
+
+def _entry_points() -> dict[str, EntryPoint]:
+    return {ep.name: ep for ep in entry_points(group=COMMAND_GROUP)}
+
+
+def _installed(ep: EntryPoint) -> bool:
+    """Whether what the command's extra brings is importable (the worker extra: torch)."""
+    return "worker" not in ep.extras or importlib.util.find_spec("torch") is not None
 
 
 class _LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted([*super().list_commands(ctx), *_LAZY_COMMANDS])
+        plugins = [name for name, ep in _entry_points().items() if _installed(ep)]
+        return sorted([*super().list_commands(ctx), *plugins])
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name not in _LAZY_COMMANDS:
+        ep = _entry_points().get(name)
+        if ep is None:
             return super().get_command(ctx, name)
-        module, attr = _LAZY_COMMANDS[name].split(":")
+        hint = f"'kevlaya {name}' needs the worker extra: pip install 'kevlaya[worker]'"
+        if not _installed(ep):
+            raise click.ClickException(hint)
         try:
-            return getattr(importlib.import_module(module), attr)
+            return ep.load()
         except ImportError as exc:
-            raise click.ClickException(
-                f"'kevlaya {name}' needs the worker extra: pip install 'kevlaya[worker]' ({exc})"
-            ) from exc
+            raise click.ClickException(f"{hint} ({exc})") from exc
 
 
 @click.group(cls=_LazyGroup)

@@ -10,17 +10,15 @@ from typing import Any
 
 from redis import Redis
 from redis.exceptions import WatchError
-from rq import Queue, Retry
 
+from shared import models as known_models
 from shared.conn import connect
+from shared.enqueue import EnqueueSettings, Entry, enqueue_entries, job_key, queues_for
 from shared.errors import CANCELLED, BatchClosedError, SubmissionError, ValidationError
 from shared.job import DEFAULT_LIMITS, Job, Limits
-from shared.jobfunc import RUN_DECISION
 from shared.keys import BATCH_ID_RE, DEFAULT_PREFIX, Keys, followup_id, job_id
-from shared.models import ESCALATES_TO, MODEL_NAMES
 from shared.quarantine import Quarantine
 from shared.result import Result
-from shared.serializer import serializer
 from shared.store import (
     DEFAULT_BATCH_TTL_S,
     BatchRecord,
@@ -89,9 +87,8 @@ class Client:
         self.batch_ttl_s = batch_ttl_s
         self.retries = retries
         self.job_timeout_s = job_timeout_s
-        self.queues = {
-            m: Queue(self.keys.queue_name(m), connection=self.redis, serializer=serializer) for m in MODEL_NAMES
-        }
+        self.queues = queues_for(self.redis, self.keys, known_models.MODEL_NAMES)
+        self.enqueue = EnqueueSettings(job_timeout_s=job_timeout_s, ttl_s=batch_ttl_s, retries=retries)
         self.quarantine = Quarantine(self.redis, self.keys)
 
     # ---- submit ---------------------------------------------------------------------------
@@ -172,7 +169,6 @@ class Client:
         """Claim the chunk's new items and enqueue their RQ jobs in one transaction; retried if a
         concurrent submitter changed the batch's item set meanwhile. Returns how many were new."""
         items, id_set = self.keys.batch_items(batch), self.keys.batch_item_set(batch)
-        datas = {j.custom_id: self._enqueue_data(batch, j) for j in jobs}
         while True:
             with self.redis.pipeline() as pipe:
                 try:
@@ -188,10 +184,8 @@ class Client:
                     pipe.sadd(id_set, *ids)
                     for key in (items, id_set):
                         pipe.expire(key, self.batch_ttl_s)
-                    for model in MODEL_NAMES:
-                        chunk = [datas[j.custom_id] for j in fresh if j.model == model]
-                        if chunk:
-                            self.queues[model].enqueue_many(chunk, pipeline=pipe)
+                    entries = [Entry(job_id(batch, j.custom_id), replace(j, batch=batch)) for j in fresh]
+                    enqueue_entries(pipe, self.queues, entries, self.enqueue)
                     pipe.execute()
                     return len(fresh)
                 except WatchError:
@@ -203,7 +197,7 @@ class Client:
         (and recorded, as workers do) before the transaction."""
         names = [self.queues[m].key for m in {j.model for j in jobs}]
         names += [self.keys.batch_items(batch), self.keys.batch_item_set(batch)]
-        names += [Queue.job_class.key_for(job_id(batch, j.custom_id)) for j in jobs]
+        names += [job_key(job_id(batch, j.custom_id)) for j in jobs]
         want = {self.keys.batch_item_set(batch): b"set"}
         with self.redis.pipeline(transaction=False) as pipe:
             for name in names:
@@ -213,19 +207,6 @@ class Client:
             expected = want.get(name, b"hash" if name.startswith("rq:job:") else b"list")
             if kind not in (b"none", expected):
                 self.quarantine.move_key(name, f"a {kind.decode()} where a {expected.decode()} belongs")
-
-    def _enqueue_data(self, batch: str, job: Job) -> Any:
-        payload = replace(job, batch=batch).to_dict()
-        return Queue.prepare_data(
-            RUN_DECISION,
-            args=[payload],
-            job_id=job_id(batch, job.custom_id),
-            description=f"{job.model}:{job.custom_id}",
-            timeout=self.job_timeout_s,
-            result_ttl=self.batch_ttl_s,
-            failure_ttl=self.batch_ttl_s,
-            retry=Retry(max=self.retries) if self.retries > 0 else None,
-        )
 
     # ---- follow ---------------------------------------------------------------------------
     def status(self, batch: str) -> BatchRecord:
@@ -269,7 +250,7 @@ class Client:
         custom_ids = [c.decode() for c in self.redis.lrange(self.keys.batch_items(batch), 0, -1)]
         by_id = {job_id(batch, c): c for c in custom_ids}
         base_ids = set(by_id)
-        by_id.update({followup_id(j, to): c for j, c in list(by_id.items()) for to in ESCALATES_TO.values()})
+        by_id.update({followup_id(j, to): c for j, c in list(by_id.items()) for to in known_models.MODEL_NAMES})
         cancelled = 0
         for model, queue in self.queues.items():
             for jid in [j for j in queue.get_job_ids() if j in by_id]:

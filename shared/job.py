@@ -9,8 +9,8 @@ from typing import Any
 import orjson
 
 from shared import SCHEMA_VERSION
+from shared import models as known_models
 from shared.errors import ValidationError
-from shared.models import MODEL_NAMES
 
 KIB = 1024
 
@@ -166,10 +166,12 @@ def _custom_id(value: Any, limits: Limits) -> str:
 def _model(value: Any) -> str:
     if value is None:
         raise ValidationError(
-            f"missing 'model' (one of: {', '.join(MODEL_NAMES)}; or pass a default model)", field="model"
+            f"missing 'model' (one of: {', '.join(known_models.MODEL_NAMES)}; or pass a default model)",
+            field="model",
         )
-    if value not in MODEL_NAMES:
-        raise ValidationError(f"unknown model {value!r}; allowed: {', '.join(MODEL_NAMES)}", field="model")
+    names = known_models.MODEL_NAMES
+    if value not in names:
+        raise ValidationError(f"unknown model {value!r}; allowed: {', '.join(names)}", field="model")
     return value
 
 

@@ -12,8 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from shared.job import Job
-from worker.config import EscalationRule
+from worker.config import config_from_toml
 from worker.outputs import RowOutput
+
+# Every known model with its shipped defaults (Laya escalates to Kev below 0.7); nothing is loaded.
+FAKE_CONFIG = config_from_toml('[base]\npath = "fake"\n')
 
 
 class SimulatedCrash(BaseException):
@@ -21,7 +24,8 @@ class SimulatedCrash(BaseException):
 
 
 class FakeEngine:
-    def __init__(self, *, rows: int = 256, crash_once: bool = False) -> None:
+    def __init__(self, *, rows: int = 256, crash_once: bool = False, config: Any = FAKE_CONFIG) -> None:
+        self.config = config
         self.rows = rows
         self.crash_once = crash_once
         self.calls: list[list[str]] = []  # custom_ids of every batch run, in order
@@ -53,15 +57,3 @@ class FakeEngine:
 
     def expect(self, job: Job) -> None:
         pass
-
-    def model_version(self, model: str) -> dict[str, str]:
-        return {"base": "fake"}
-
-    def escalation_rule(self, model: str) -> Any:
-        return EscalationRule() if model == "laya" else None
-
-    def shares_base(self, a: str, b: str) -> bool:
-        return True
-
-    def peak_memory_bytes(self) -> int:
-        return 0

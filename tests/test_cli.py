@@ -91,3 +91,19 @@ def test_worker_help_names_the_fast_path_switches() -> None:
 
     out = CliRunner().invoke(worker_command, ["--help"]).output
     assert "--decode" in out and "--no-compile" in out
+
+
+def test_worker_commands_come_from_entry_points_and_hide_without_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    import producer.cli as pcli
+
+    runner = CliRunner()
+    listed = runner.invoke(cli, ["--help"]).output
+    assert all(f"  {name} " in listed for name in ("worker", "train", "eval", "submit"))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(pcli.importlib.util, "find_spec", lambda n, *a: None if n == "torch" else real_find_spec(n, *a))
+    listed = runner.invoke(cli, ["--help"]).output
+    assert "  worker " not in listed and "  submit " in listed
+    out = runner.invoke(cli, ["worker", "--config", "x.toml"])
+    assert out.exit_code != 0 and "needs the worker extra: pip install 'kevlaya[worker]'" in out.output

@@ -25,11 +25,12 @@ from shared.keys import Keys, job_id
 from tests.conftest import tiny_config
 from tests.tcp_proxy import DropProxy
 from tests.worker_helpers import assert_each_item_answered_once, spawn_worker, wait_until
-from worker.batch_worker import BatchWorker, WorkerSettings
 from worker.embedded_redis import EmbeddedRedis
 from worker.engine import Engine
 from worker.faults import CRASH_EXIT_CODE
+from worker.loop import BatchWorker
 from worker.recovery import max_crashes
+from worker.settings import WorkerSettings
 
 FAST = ["--job-heartbeat-ttl-s", "2", "--max-batch-rows", "25"]
 
@@ -175,12 +176,12 @@ def test_hung_generation_times_out_and_the_worker_stays_healthy(tiny_models: Pat
         [{"custom_id": f"s{i}", "model": "kev", "prompt": "p"} for i in range(3)], escalate=False
     )
     settings = WorkerSettings(burst=True, batch_time_limit_s=0.5)
-    BatchWorker(redis, engine, settings).work()
+    BatchWorker(redis, engine, engine.config, settings).work()
     handle.remove()
     rows = list(client.iter_results(slow.id))
     assert [row["error"]["type"] for row in rows] == ["timeout"] * 3
     healthy = client.submit_batch([{"custom_id": "ok", "model": "kev", "prompt": "p"}], escalate=False)
-    BatchWorker(redis, engine, WorkerSettings(burst=True, batch_time_limit_s=60)).work()
+    BatchWorker(redis, engine, engine.config, WorkerSettings(burst=True, batch_time_limit_s=60)).work()
     (row,) = client.iter_results(healthy.id)
     assert row.get("error") is None and row["text"] is not None
 
@@ -192,11 +193,11 @@ def test_duplicates_give_one_final_result_per_item(tiny_models: Path, redis: Red
     first = client.submit_batch(jobs)
     again = client.submit_batch(jobs, batch_id=first.id)  # the same submission twice
     assert again.enqueued == 0
-    BatchWorker(redis, engine, WorkerSettings(burst=True)).work()
+    BatchWorker(redis, engine, engine.config, WorkerSettings(burst=True)).work()
     # A retried Laya job (as after a crash) must not enqueue a second follow-up or a second answer.
     laya = client.queues["laya"]
     redis.lpush(laya.key, job_id(first.id, "d0"))
-    BatchWorker(redis, engine, WorkerSettings(burst=True)).work()
+    BatchWorker(redis, engine, engine.config, WorkerSettings(burst=True)).work()
     assert client.queues["kev"].count == 0
     rows = assert_each_item_answered_once(client, redis, first.id, 5)
     assert all(row["model"] == "kev" and len(row["chain"]) == 1 for row in rows)
@@ -215,7 +216,7 @@ def test_hostile_writers_and_inputs_are_refused(tiny_models: Path, redis: Redis,
     data = zlib.compress(orjson.dumps(["worker.jobs.run_decision", None, [huge], {}]))
     redis.hset("rq:job:huge", mapping={"data": data, "status": "queued"})
     redis.rpush(laya.key, "pickled", "huge")
-    BatchWorker(redis, engine, WorkerSettings(burst=True)).work()
+    BatchWorker(redis, engine, engine.config, WorkerSettings(burst=True)).work()
     assert not sentinel.exists()
     failed = set(laya.failed_job_registry.get_job_ids())
     assert {"pickled", "huge"} <= failed
@@ -266,5 +267,5 @@ def test_producer_acl_user_can_submit_follow_and_cancel_but_not_touch_worker_sta
             conn.lpush(key, "x")
     # A worker (admin credentials) answers what is left; the producer reads the answers.
     engine = Engine(tiny_config(tiny_models, "none"), device="cpu")
-    BatchWorker(admin, engine, WorkerSettings(burst=True)).work()
+    BatchWorker(admin, engine, engine.config, WorkerSettings(burst=True)).work()
     assert client.status(other.id).complete

@@ -12,9 +12,10 @@ from redis import Redis
 
 from producer.client import Client
 from shared.keys import Keys
-from tests.fakes import FakeEngine
+from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.worker_helpers import assert_each_item_answered_once
-from worker.batch_worker import BatchWorker, WorkerSettings
+from worker.loop import BatchWorker
+from worker.settings import WorkerSettings
 
 QUEUE = "rq:queue:kevlaya:laya"
 STARTED = "rq:wip:kevlaya:laya"
@@ -26,7 +27,7 @@ def real(client: Client, n: int = 6, tag: str = "r") -> str:
 
 
 def drain(redis: Redis) -> None:
-    BatchWorker(redis, FakeEngine(rows=4), WorkerSettings(burst=True, worker_ttl_s=1)).work()
+    BatchWorker(redis, FakeEngine(rows=4), FAKE_CONFIG, WorkerSettings(burst=True, worker_ttl_s=1)).work()
 
 
 def quarantined(client: Client) -> int:

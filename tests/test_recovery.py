@@ -8,10 +8,11 @@ from redis import Redis
 
 from producer.client import Client
 from shared.keys import Keys, job_id
-from tests.fakes import FakeEngine, SimulatedCrash
+from tests.fakes import FAKE_CONFIG, FakeEngine, SimulatedCrash
 from tests.worker_helpers import assert_each_item_answered_once
-from worker.batch_worker import BatchWorker, WorkerSettings
+from worker.loop import BatchWorker
 from worker.recovery import SuspectGroup, max_crashes, plan_recovery
+from worker.settings import WorkerSettings
 
 
 @pytest.mark.parametrize(
@@ -40,7 +41,7 @@ def run_until_done(redis: Redis, engine: FakeEngine, limit: int = 40, **settings
     crashes = 0
     for _ in range(limit):
         try:
-            BatchWorker(redis, engine, WorkerSettings(burst=True, name="w1", **settings)).work()
+            BatchWorker(redis, engine, engine.config, WorkerSettings(burst=True, name="w1", **settings)).work()
             return crashes
         except SimulatedCrash:
             crashes += 1
@@ -83,9 +84,9 @@ def test_queued_jobs_are_not_held_behind_suspects(client: Client, redis: Redis) 
     first = client.submit_batch(items(64), escalate=False)
     engine = FakeEngine(rows=64, crash_once=True)
     with pytest.raises(SimulatedCrash):
-        BatchWorker(redis, engine, WorkerSettings(burst=True, name="w1")).work()
+        BatchWorker(redis, engine, engine.config, WorkerSettings(burst=True, name="w1")).work()
     later = client.submit_batch([{"custom_id": f"n{i}", "model": "laya", "prompt": "new"} for i in range(64)])
-    stats = BatchWorker(redis, engine, WorkerSettings(burst=True, name="w1")).work()
+    stats = BatchWorker(redis, engine, engine.config, WorkerSettings(burst=True, name="w1")).work()
     # suspect half, then the new work, then the other suspect half: neither kind waits for the other to drain
     assert [b[0][0] for b in engine.calls[1:]] == ["j", "n", "j"]
     assert stats.jobs == 128 and stats.crashes_survived == 1 and stats.recovered == 64
@@ -134,7 +135,7 @@ def test_index_keys_are_trimmed_by_age(client: Client, redis: Redis) -> None:
     redis.zadd(keys.batches(), {"ancient": time.time() - 3 * 7 * 86400, "recent": time.time()})
     redis.zadd(keys.workers(), {"gone": time.time() - 2 * 86400})
     redis.zadd("rq:finished:kevlaya:laya", {"old-job": time.time() - 10})  # score = expiry, passed
-    BatchWorker(redis, FakeEngine(), WorkerSettings(burst=True, name="w1")).work()
+    BatchWorker(redis, FakeEngine(), FAKE_CONFIG, WorkerSettings(burst=True, name="w1")).work()
     assert redis.zrange(keys.batches(), 0, -1) == [b"recent"]
     assert redis.zscore(keys.workers(), "gone") is None
     assert redis.zcard("rq:finished:kevlaya:laya") == 0

@@ -1,4 +1,4 @@
-"""The parts of RQ's data model kevlaya relies on (worker/rqcompat.py). If RQ changes them, this fails."""
+"""The parts of RQ's data model kevlaya relies on (worker/rqcompat/). If RQ changes them, this fails."""
 
 from __future__ import annotations
 

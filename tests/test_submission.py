@@ -11,9 +11,10 @@ from redis import Redis
 from producer.client import Client
 from shared.errors import BatchClosedError, SubmissionError, ValidationError
 from shared.keys import Keys
-from tests.fakes import FakeEngine
+from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.worker_helpers import assert_each_item_answered_once
-from worker.batch_worker import BatchWorker, WorkerSettings
+from worker.loop import BatchWorker
+from worker.settings import WorkerSettings
 
 
 def jobs(n: int, **extra) -> list[dict]:
@@ -21,7 +22,7 @@ def jobs(n: int, **extra) -> list[dict]:
 
 
 def drain(redis: Redis) -> None:
-    BatchWorker(redis, FakeEngine(), WorkerSettings(burst=True)).work()
+    BatchWorker(redis, FakeEngine(), FAKE_CONFIG, WorkerSettings(burst=True)).work()
 
 
 def queued(redis: Redis) -> int:
@@ -125,9 +126,8 @@ def test_meta_at_the_depth_limit_goes_through(client: Client, redis: Redis) -> N
 def _laya_answered_kev_queued(client: Client, redis: Redis, n: int) -> str:
     """A batch whose unsure Laya answers are written and whose Kev follow-ups wait in the queue."""
     handle = client.submit_batch([{"custom_id": f"u{i}", "model": "laya", "prompt": "unsure"} for i in range(n)])
-    worker = BatchWorker(redis, FakeEngine(), WorkerSettings(burst=True, mixed_tails=False))
-    worker.bridge.begin_batch()
-    worker._run_batch("laya", {}, suspects=0, normal=n)
+    worker = BatchWorker(redis, FakeEngine(), FAKE_CONFIG, WorkerSettings(burst=True, mixed_tails=False))
+    worker._run_take(worker._take("laya", {}, suspects=0, queued=n))  # one Laya take, no Kev take
     assert redis.llen("rq:queue:kevlaya:kev") == n
     return handle.id
 

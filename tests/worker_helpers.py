@@ -12,14 +12,16 @@ from redis import Redis
 
 from producer.client import Client
 from shared.keys import Keys
-from worker.batch_worker import BatchWorker, WorkerSettings, WorkerStats
+from worker.loop import BatchWorker
+from worker.settings import WorkerSettings
+from worker.stats import WorkerStats
 
 CLI = [sys.executable, "-c", "from producer.cli import main; main()"]
 
 
 def drain(redis: Redis, engine, **settings) -> WorkerStats:
     """Run an in-process worker in burst mode until the queues are empty."""
-    return BatchWorker(redis, engine, WorkerSettings(burst=True, **settings)).work()
+    return BatchWorker(redis, engine, engine.config, WorkerSettings(burst=True, **settings)).work()
 
 
 def spawn_worker(

@@ -78,9 +78,10 @@ def worker_command(
     log_level: str,
 ) -> None:
     """Run the batch worker: load the models once, then drain the Kev and Laya queues in batches."""
-    from worker.batch_worker import BatchWorker, WorkerSettings
     from worker.config import load_config
     from worker.engine import Engine
+    from worker.loop import BatchWorker
+    from worker.settings import WorkerSettings
 
     _setup_logging(log_level)
     obj = ctx.obj or {}
@@ -97,18 +98,16 @@ def worker_command(
         )
     except KevlayaError as exc:
         raise click.ClickException(str(exc)) from exc
-    settings = WorkerSettings(
+    settings = WorkerSettings.with_heartbeat_ttl(
+        job_heartbeat_ttl_s,
         burst=burst,
         max_wait_ms=max_wait_ms,
         mixed_tails=not no_mixed_tails,
         batch_time_limit_s=batch_time_limit_s,
         name=name,
         prefix=obj.get("prefix", DEFAULT_PREFIX),
-        job_heartbeat_ttl_s=job_heartbeat_ttl_s,
-        heartbeat_interval_s=min(3.0, job_heartbeat_ttl_s / 4),
-        worker_ttl_s=max(2, int(job_heartbeat_ttl_s)),
     )
-    BatchWorker(connect(obj.get("redis_url"), socket_timeout_s=60), engine, settings).work()
+    BatchWorker(connect(obj.get("redis_url"), socket_timeout_s=60), engine, config, settings).work()
 
 
 @click.command("memory")

@@ -8,8 +8,9 @@ from typing import Any
 
 import tomllib
 
+from shared import models as known_models
 from shared.errors import ConfigError
-from shared.models import DEFAULT_MAX_NEW_TOKENS, LAYA, MODEL_NAMES
+from shared.models import defaults_for
 
 QUANTIZATIONS = ("nf4", "fp4", "none")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -19,10 +20,6 @@ DEFAULT_BASE = "default"
 DEFAULT_TEMPLATE = (
     "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 )
-DEFAULT_SYSTEM = {
-    "kev": "You are Kev. Analyse the case step by step, then end with a line 'Decision: <label>'.",
-    "laya": "You are Laya. Answer with the decision only.",
-}
 # Kev's follow-up sees Laya's answer, so it can confirm or overturn it.
 DEFAULT_FOLLOWUP_TEMPLATE = (
     "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{prompt}\n\n"
@@ -63,6 +60,7 @@ class ModelSpec:
     max_new_tokens: int
     decision_prefix: str | None
     escalation: EscalationRule | None
+    escalates_to: str | None = None  # the model that answers this one's unsure answers
     # Whether a job's `input.system` may replace the system prompt (as user text, never control tokens).
     job_may_set_system: bool = False
 
@@ -77,6 +75,14 @@ class ModelsConfig:
     def base_of(self, model: str) -> BaseSpec:
         return self.bases[self.models[model].base]
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.models)
+
+    def shares_base(self, a: str, b: str) -> bool:
+        """Whether two models can share one (mixed) batch: the same resident base."""
+        return self.models[a].base == self.models[b].base
+
 
 def load_config(path: str | Path, *, check_paths: bool = True) -> ModelsConfig:
     """Parse and validate the TOML file; relative paths resolve against the file's folder."""
@@ -87,14 +93,34 @@ def load_config(path: str | Path, *, check_paths: bool = True) -> ModelsConfig:
         raise ConfigError(f"models config not found: {path}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
-    root = path.parent.resolve()
-    bases = _bases(raw, root)
-    models = {name: _model(name, raw.get("models", {}).get(name, {}), bases, root) for name in MODEL_NAMES}
-    stops = tuple(raw.get("stop_strings", ("<|im_end|>", "<|endoftext|>")))
-    config = ModelsConfig(path=path, bases=bases, models=models, stop_strings=stops)
+    config = _parse(raw, path)
     if check_paths:
         check_files(config)
     return config
+
+
+def config_from_toml(text: str, *, path: Path = Path("models.toml")) -> ModelsConfig:
+    """A config from TOML text, paths unchecked (for engines that load nothing: tests, queue benchmarks)."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"invalid TOML: {exc}") from exc
+    return _parse(raw, path)
+
+
+def _parse(raw: dict[str, Any], path: Path) -> ModelsConfig:
+    root = path.parent.resolve()
+    bases = _bases(raw, root)
+    tables = raw.get("models", {})
+    names = known_models.MODEL_NAMES
+    unknown = sorted(set(tables) - set(names))
+    if unknown:
+        raise ConfigError(f"[models]: unknown model(s) {unknown}; known: {list(names)} (shared/models.py)")
+    targets = {t for n in names if (t := tables.get(n, {}).get("escalates_to", defaults_for(n).escalates_to))}
+    models = {name: _model(name, tables.get(name, {}), bases, root, is_target=name in targets) for name in names}
+    _check_escalation_targets(models)
+    stops = tuple(raw.get("stop_strings", ("<|im_end|>", "<|endoftext|>")))
+    return ModelsConfig(path=path, bases=bases, models=models, stop_strings=stops)
 
 
 def _bases(raw: dict[str, Any], root: Path) -> dict[str, BaseSpec]:
@@ -135,34 +161,50 @@ _MODEL_KEYS = {
     "max_new_tokens",
     "decision_prefix",
     "escalation",
+    "escalates_to",
     "job_may_set_system",
 }
 
 
-def _model(name: str, table: dict[str, Any], bases: dict[str, BaseSpec], root: Path) -> ModelSpec:
+def _model(name: str, table: dict[str, Any], bases: dict[str, BaseSpec], root: Path, *, is_target: bool) -> ModelSpec:
     _known(table, _MODEL_KEYS, f"[models.{name}]")
+    defaults = defaults_for(name)
     base = table.get("base", DEFAULT_BASE if DEFAULT_BASE in bases else next(iter(bases)))
     if base not in bases:
         raise ConfigError(f"[models.{name}] names base {base!r}; defined: {', '.join(bases)}")
-    max_new = int(table.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS[name]))
+    max_new = int(table.get("max_new_tokens", defaults.max_new_tokens))
     max_in = int(table.get("max_input_tokens", 1024))
     if max_new < 1 or max_in < 1:
         raise ConfigError(f"[models.{name}] max_new_tokens and max_input_tokens must be positive")
     adapter = table.get("adapter")
-    followup = table.get("followup_template", DEFAULT_FOLLOWUP_TEMPLATE if name != LAYA else None)
+    escalates_to = table.get("escalates_to", defaults.escalates_to)
+    # A model that others escalate to sees their answer in its follow-up prompt.
+    followup = table.get("followup_template", DEFAULT_FOLLOWUP_TEMPLATE if is_target else None)
     return ModelSpec(
         name=name,
         base=base,
         adapter=(root / adapter).resolve() if adapter else None,
         template=table.get("template", DEFAULT_TEMPLATE),
         followup_template=followup,
-        system=table.get("system", DEFAULT_SYSTEM[name]),
+        system=table.get("system", defaults.system),
         max_input_tokens=max_in,
         max_new_tokens=max_new,
         decision_prefix=table.get("decision_prefix", "Decision:"),
-        escalation=_escalation(name, table.get("escalation")),
+        escalation=_escalation(name, table.get("escalation"), escalates_to),
+        escalates_to=escalates_to or None,
         job_may_set_system=_flag(table, "job_may_set_system", f"[models.{name}]"),
     )
+
+
+def _check_escalation_targets(models: dict[str, ModelSpec]) -> None:
+    for spec in models.values():
+        target = spec.escalates_to
+        if target is None:
+            continue
+        if target not in models or target == spec.name:
+            raise ConfigError(f"[models.{spec.name}] escalates_to = {target!r}: not another configured model")
+        if models[target].escalates_to is not None:
+            raise ConfigError(f"[models.{spec.name}] escalates_to = {target!r}, which escalates itself: one step only")
 
 
 def _flag(table: dict[str, Any], key: str, where: str) -> bool:
@@ -172,10 +214,10 @@ def _flag(table: dict[str, Any], key: str, where: str) -> bool:
     return value
 
 
-def _escalation(name: str, table: dict[str, Any] | None) -> EscalationRule | None:
-    if name != LAYA:
+def _escalation(name: str, table: dict[str, Any] | None, escalates_to: str | None) -> EscalationRule | None:
+    if not escalates_to:
         if table:
-            raise ConfigError(f"[models.{name}.escalation]: only Laya escalates")
+            raise ConfigError(f"[models.{name}.escalation]: this model has no escalates_to")
         return None
     table = table or {}
     _known(table, {"enabled", "threshold", "phrases", "max_chars"}, f"[models.{name}.escalation]")

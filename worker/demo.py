@@ -22,11 +22,12 @@ from tqdm import tqdm
 from producer.client import Client
 from producer.jsonl import parse_lines
 from shared.conn import redis_url as resolve_url
-from worker.batch_worker import BatchWorker, WorkerSettings
 from worker.config import load_config
 from worker.demo_models import build_demo_models
 from worker.embedded_redis import EmbeddedRedis
 from worker.engine import Engine
+from worker.loop import BatchWorker
+from worker.settings import WorkerSettings
 
 DEMO_DATA = Path(__file__).resolve().parent / "data" / "demo_decisions.jsonl"
 
@@ -73,7 +74,7 @@ def run_demo(out: Path, *, items: int, redis_url: str | None) -> None:
         client = Client(redis=redis)
         handle = client.submit_batch(parse_lines(bundled_lines(items)))
         click.echo(f"submitted {handle.enqueued} decisions as batch {handle.id}", err=True)
-        worker = BatchWorker(redis, engine, WorkerSettings(burst=False, name=f"demo-{handle.id}"))
+        worker = BatchWorker(redis, engine, engine.config, WorkerSettings(burst=False, name=f"demo-{handle.id}"))
         thread = threading.Thread(target=worker.work, daemon=True)
         t0 = time.time()
         thread.start()

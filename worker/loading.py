@@ -8,7 +8,6 @@ colliding LoRA keys apart. A model without an adapter is served by the base itse
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from transformers.utils import logging as hf_logging
 from shared.errors import ConfigError
 from worker.config import BaseSpec, ModelsConfig
 from worker.memory import ModelShape
+from worker.versions import fingerprint
 
 log = logging.getLogger("kevlaya.loading")
 hf_logging.disable_progress_bar()
@@ -120,24 +120,6 @@ def attach_adapter(base: LoadedBase, model_name: str, adapter: Path | None) -> N
     base.model.eval()
     base.adapters[model_name] = model_name
     base.adapter_fingerprints[model_name] = fingerprint(adapter)
-
-
-def fingerprint(folder: Path) -> str:
-    """A short content hash of a checkpoint: config files in full, weight files by size and head/tail bytes."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in folder.iterdir() if p.is_file()):
-        digest.update(path.name.encode())
-        if path.suffix in (".json", ".txt", ".model"):
-            digest.update(path.read_bytes())
-            continue
-        size = path.stat().st_size
-        digest.update(str(size).encode())
-        with path.open("rb") as fh:
-            digest.update(fh.read(1 << 20))
-            if size > 2 << 20:
-                fh.seek(-(1 << 20), 2)
-                digest.update(fh.read())
-    return digest.hexdigest()[:16]
 
 
 def _checkpoint_bytes(path: Path) -> int:

@@ -11,8 +11,24 @@ so one unlucky crash never fails an innocent job that was taken alone.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from redis import Redis
+
+from shared.keys import Keys
+from shared.store import trim_indexes
+
+if TYPE_CHECKING:
+    from worker.rqcompat import Abandoned, RQBridge
+    from worker.stats import WorkerStats
+
+log = logging.getLogger("kevlaya.worker")
+
+WORKER_INDEX_AGE_S = 86400  # workers unseen this long leave the `kevlaya status` index
+STUCK_INTERMEDIATE_S = 30  # an id this long in RQ's intermediate list was left there by a stock worker
 
 # A job is dead-lettered when its worker dies while running it alone and it has crashed this often.
 MAX_CRASHES_ALONE = 2
@@ -45,3 +61,45 @@ def max_crashes(batch_rows: int) -> int:
         size = (size + 1) // 2
         crashes += 1
     return max(crashes, MAX_CRASHES_ALONE)
+
+
+class RecoveryPass:
+    """One sweep over the started registries: what dead workers left goes back as suspect groups, what we
+    lost track of goes back to its queue, stuck intermediate entries are requeued, indexes are trimmed."""
+
+    def __init__(self, redis: Redis, keys: Keys, bridge: RQBridge, models: Sequence[str], stats: WorkerStats) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.bridge = bridge
+        self.models = models
+        self.stats = stats
+
+    def run(self, *, in_flight: set[str], others: bool, batch_ttl_s: float) -> None:
+        for model in self.models:
+            entries = self.bridge.abandoned(model, in_flight=in_flight, others=others)
+            self.bridge.requeue_lost(model, [e for e in entries if not e.crashed])
+            takes: dict[str, list[Abandoned]] = {}
+            for e in entries:
+                if e.crashed:
+                    takes.setdefault(e.exec_id, []).append(e)
+            for dead_take in takes.values():
+                self._recover_take(model, dead_take)
+            for job_id in self.bridge.stuck_intermediate(model, older_than_s=STUCK_INTERMEDIATE_S):
+                self.bridge.requeue_front(model, job_id)
+                self.stats.recovered += 1
+        self.bridge.cleanup_registries()
+        trim_indexes(self.redis, self.keys, batch_age_s=batch_ttl_s, worker_age_s=WORKER_INDEX_AGE_S)
+        self.stats.quarantined = self.bridge.quarantine.count
+
+    def _recover_take(self, model: str, entries: list[Abandoned]) -> None:
+        ids = [e.job_id for e in entries]
+        crashes = {i: c + 1 for i, c in self.bridge.crash_counts(ids).items()}
+        groups = plan_recovery(ids, crashes)
+        if self.bridge.to_suspects(model, entries, crashes, groups):
+            self.stats.recovered += len(ids)
+            self.stats.crashes_survived += 1
+            log.warning(
+                "recovered %d job(s) of a dead worker as %s",
+                len(ids),
+                " + ".join(("dead " if g.dead else "") + str(len(g.ids)) for g in groups),
+            )

@@ -1,0 +1,90 @@
+"""The one way a job enters a kevlaya queue: RQ's public API (`Queue.prepare_data`, `enqueue_many` on a
+pipeline), for the producer's submissions and the worker's escalation follow-ups alike."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from redis import Redis
+from redis.client import Pipeline
+from redis.exceptions import WatchError
+from rq import Queue, Retry
+
+from shared.job import Job
+from shared.jobfunc import RUN_DECISION
+from shared.keys import Keys
+from shared.serializer import serializer
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnqueueSettings:
+    """How long a job may run and how long its records live."""
+
+    job_timeout_s: int = 1800
+    ttl_s: int = 7 * 24 * 3600
+    retries: int = 3
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One job to enqueue under a given RQ job id."""
+
+    job_id: str
+    job: Job
+
+
+def queues_for(redis: Redis, keys: Keys, models: Sequence[str]) -> dict[str, Queue]:
+    return {m: Queue(keys.queue_name(m), connection=redis, serializer=serializer) for m in models}
+
+
+def job_key(job_id: str) -> str:
+    """The RQ job hash of an id."""
+    return Queue.job_class.key_for(job_id)
+
+
+def enqueue_entries(
+    pipe: Pipeline, queues: Mapping[str, Queue], entries: Sequence[Entry], settings: EnqueueSettings
+) -> None:
+    """Add every entry to its model's queue on `pipe` (a transaction the caller executes)."""
+    for model, queue in queues.items():
+        datas = [_data(e, settings) for e in entries if e.job.model == model]
+        if datas:
+            queue.enqueue_many(datas, pipeline=pipe)
+
+
+def enqueue_absent(
+    redis: Redis, queues: Mapping[str, Queue], entries: Sequence[Entry], settings: EnqueueSettings
+) -> list[Entry]:
+    """Enqueue the entries whose job does not exist yet, in one transaction (WATCH on their job keys, so
+    two workers re-running the same parent cannot both enqueue its follow-up). Returns those enqueued."""
+    if not entries:
+        return []
+    names = [job_key(e.job_id) for e in entries]
+    while True:
+        with redis.pipeline() as pipe:
+            try:
+                pipe.watch(*names)
+                exists = [pipe.exists(n) for n in names]
+                fresh = [e for e, found in zip(entries, exists, strict=True) if not found]
+                if not fresh:
+                    return []
+                pipe.multi()
+                enqueue_entries(pipe, queues, fresh, settings)
+                pipe.execute()
+                return fresh
+            except WatchError:
+                continue
+
+
+def _data(entry: Entry, settings: EnqueueSettings):
+    return Queue.prepare_data(
+        RUN_DECISION,
+        args=[entry.job.to_dict()],
+        job_id=entry.job_id,
+        description=f"{entry.job.model}:{entry.job.custom_id}",
+        timeout=settings.job_timeout_s,
+        result_ttl=settings.ttl_s,
+        failure_ttl=settings.ttl_s,
+        retry=Retry(max=settings.retries) if settings.retries > 0 else None,
+    )

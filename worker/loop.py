@@ -1,0 +1,323 @@
+"""The batch worker: drains the model queues in large same-model batches and never loses a job.
+
+One loop, one `except` boundary per batch. Each pass: recover abandoned jobs (rate-limited, worker.recovery),
+pick a model (worker.policy), take up to N jobs atomically or one suspect group (worker.rqcompat), triage
+them, run the rest through the engine as one batch, and settle every row (worker.settle): results written,
+escalations enqueued as follow-ups, RQ's registries updated.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import redis.exceptions
+from redis import Redis
+
+from shared.enqueue import EnqueueSettings
+from shared.errors import INTERNAL
+from shared.job import Job
+from shared.keys import Keys
+from worker.config import ModelsConfig
+from worker.faults import maybe_crash
+from worker.followups import prompt_chars
+from worker.outputs import RowOutput
+from worker.policy import QueueState, choose_model
+from worker.recovery import RecoveryPass
+from worker.rqcompat import RQBridge
+from worker.settings import WorkerSettings
+from worker.settle import Flags, Row, Settler, dead_letter, outputs_tokens
+from worker.stats import PUBLISH_EVERY_BATCHES, BatchFacts, WorkerStats
+from worker.versions import model_versions
+
+log = logging.getLogger("kevlaya.worker")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Take:
+    """What one take got: rows to run, or (`dead`) a suspect group to write off."""
+
+    rows: list[Row]
+    dead: bool = False
+
+
+class EngineLike(Protocol):
+    """What the worker needs from an engine: answers, index-aligned; how many rows to take; and a hint of
+    the longest job about to be queued (so the next take of its model is sized for it)."""
+
+    def run(self, jobs: Sequence[Job], *, time_limit_s: float | None = None) -> list[Any]: ...
+    def max_rows(self, model: str) -> int: ...
+    def expect(self, job: Job) -> None: ...
+
+
+class BatchWorker:
+    """A non-forking worker: models stay resident in this process for its whole life."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        engine: EngineLike,
+        config: ModelsConfig,
+        settings: WorkerSettings | None = None,
+        *,
+        versions: Mapping[str, dict[str, str]] | None = None,
+    ) -> None:
+        self.redis = redis
+        self.engine = engine
+        self.config = config
+        self.settings = settings = settings or WorkerSettings()
+        self.keys = Keys(settings.prefix)
+        self.name = settings.name or f"kevlaya-{socket.gethostname()}-{uuid.uuid4().hex[:8]}".replace(":", "-")
+        self.bridge = RQBridge(redis, self.keys, config.names, self.name)
+        self.stats = WorkerStats()
+        enqueue = EnqueueSettings(ttl_s=settings.result_ttl_s, retries=settings.followup_retries)
+        versions = model_versions(config) if versions is None else versions
+        self.settler = Settler(redis, self.keys, config, self.bridge, versions=versions, enqueue=enqueue)
+        self.recovery = RecoveryPass(redis, self.keys, self.bridge, config.names, self.stats)
+        self.current_model: str | None = None
+        self._stop = threading.Event()
+        self._in_flight: dict[str, list[str]] = {}
+        self._lock = threading.Lock()
+        self._last_recovery = 0.0
+        self._suspect_turn = True  # suspect groups and normal takes alternate: neither waits behind the other
+        self._redis_ok_since = time.time()  # reset on every Redis error (see _maybe_recover)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def request_stop(self, *_: Any) -> None:
+        """SIGTERM/SIGINT: finish the current batch, leave the rest queued, exit 0."""
+        if not self._stop.is_set():
+            log.info("stop requested: finishing the current batch")
+        self._stop.set()
+
+    def work(self) -> WorkerStats:
+        self._install_signals()
+        ttl = self.settings.worker_ttl_s
+        rq_worker = self._wait_for_redis(lambda: self.bridge.make_rq_worker(ttl))
+        self._wait_for_redis(lambda: self.bridge.register(rq_worker, worker_ttl_s=ttl))
+        # RQ's birth gives the worker key worker_ttl + 60 s; beat once now, so a crash right after start is
+        # noticed within worker_ttl, not a minute later.
+        self._wait_for_redis(lambda: rq_worker.heartbeat(ttl))
+        beat = threading.Thread(target=self._heartbeat_loop, args=(rq_worker,), daemon=True, name="heartbeat")
+        beat.start()
+        log.info("worker %s started (burst=%s)", self.name, self.settings.burst)
+        try:
+            while not self._stop.is_set():
+                try:
+                    if not self._step():
+                        break
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                    # Whatever this batch had not written stays registered as started; its heartbeat now
+                    # lapses, and recovery requeues it once Redis is back. Nothing is lost, nothing doubled.
+                    log.warning("redis unavailable (%s); retrying", exc)
+                    self._redis_ok_since = time.time()
+                    self._stop.wait(1.0)
+        finally:
+            self._stop.set()
+            beat.join(timeout=5)
+            self.stats.publish(self.redis, self.keys, self.name)
+            try:
+                rq_worker.register_death()
+            except redis.exceptions.RedisError:
+                log.warning("could not register death (redis unavailable)")
+        log.info("worker %s stopped: %s", self.name, self.stats.summary())
+        return self.stats
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self.request_stop)
+            signal.signal(signal.SIGINT, self.request_stop)
+
+    def _wait_for_redis(self, fn: Callable[[], T]) -> T:
+        """Call fn, waiting with backoff while Redis is down (the model stays loaded meanwhile)."""
+        delay = 0.5
+        while True:
+            try:
+                return fn()
+            except redis.exceptions.ConnectionError as exc:
+                if self._stop.is_set():
+                    raise
+                log.warning("redis unavailable (%s); retrying in %.1f s", exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    def _heartbeat_loop(self, rq_worker: Any) -> None:
+        while not self._stop.wait(self.settings.heartbeat_interval_s):
+            try:
+                if not self.redis.exists(rq_worker.key):
+                    rq_worker.register_birth()  # the key expired while Redis was away: announce ourselves again
+                rq_worker.heartbeat(self.settings.worker_ttl_s)
+                self.redis.zadd(self.keys.workers(), {self.name: time.time()})
+                with self._lock:
+                    in_flight = {m: list(ids) for m, ids in self._in_flight.items()}
+                for model, ids in in_flight.items():
+                    self.bridge.heartbeat(model, ids, ttl_s=self.settings.job_heartbeat_ttl_s)
+            except redis.exceptions.RedisError as exc:
+                self._redis_ok_since = time.time()
+                log.warning("heartbeat failed: %s", exc)
+
+    # ---- one pass of the loop -----------------------------------------------------------------
+    def _step(self) -> bool:
+        """One batch, or one idle poll. Returns False when a burst worker should exit."""
+        self._maybe_recover()
+        now = time.time()
+        facts = self.bridge.queue_facts()
+        states = {
+            m: QueueState(
+                f.depth + f.suspect_groups,
+                (now - f.oldest_enqueued_at) * 1000 if (f.depth and f.oldest_enqueued_at) else 0.0,
+            )
+            for m, f in facts.items()
+        }
+        model = choose_model(self.current_model, states, max_wait_ms=self.settings.max_wait_ms)
+        if model is None:
+            if self.settings.burst and not self._anything_recoverable():
+                return False
+            self._stop.wait(self.settings.idle_poll_s)
+            return True
+        if self.current_model is not None and model != self.current_model:
+            self.stats.switches += 1
+        self.current_model = model
+        taken = self._take(model, states, suspects=facts[model].suspect_groups, queued=facts[model].depth)
+        if taken.rows:
+            self._run_take(taken)
+        return True
+
+    def _take(self, model: str, states: dict[str, QueueState], *, suspects: int, queued: int) -> Take:
+        self.bridge.begin_batch()
+        ttl = self.settings.job_heartbeat_ttl_s
+        group = None
+        if suspects and (self._suspect_turn or not queued):
+            group = self.bridge.take_group(model, ttl_s=ttl)
+        self._suspect_turn = group is None
+        if group is not None:
+            return Take([Row(model, r) for r in group.jobs], dead=group.dead)
+        limit = self.engine.max_rows(model)
+        rows = [Row(model, r) for r in self.bridge.load(self.bridge.take(model, limit, ttl_s=ttl))]
+        for other in self._tail_models(model, len(rows), limit, states):
+            room = limit - len(rows)
+            rows += [Row(other, r) for r in self.bridge.load(self.bridge.take(other, room, ttl_s=ttl))]
+        return Take(rows)
+
+    def _tail_models(self, model: str, n: int, limit: int, states: dict[str, QueueState]) -> list[str]:
+        """Models on the same base whose whole queue fits the rest of this take, once this model's queue ends
+        in it (a small tail): mixing them saves a switch for a few rows."""
+        if not self.settings.mixed_tails or n >= limit or states[model].depth > n:
+            return []
+        out, room = [], limit - n
+        for other in self.config.names:
+            depth = states[other].depth
+            if other != model and self.config.shares_base(model, other) and 0 < depth <= room:
+                out.append(other)
+                room -= depth
+        return out
+
+    def _run_take(self, taken: Take) -> None:
+        rows = taken.rows
+        with self._lock:
+            self._in_flight = {m: [r.raw.id for r in rows if r.model == m] for m in {r.model for r in rows}}
+        try:
+            if taken.dead:
+                self.stats.dead_lettered += len(rows)
+                self._write(dead_letter(self.settler, rows))
+            else:
+                self._process(rows)
+        finally:
+            with self._lock:
+                self._in_flight = {}
+
+    def _process(self, rows: list[Row]) -> None:
+        """Settled rows are written first; then the rest run as one batch. A take is either normal jobs or one
+        suspect group (worker.recovery), never both, so a crash is charged to exactly the jobs that ran."""
+        started = time.time()
+        triage = self.settler.triage(rows)
+        self._write(triage.settled)
+        outputs: list[Any] = []
+        engine_s = 0.0
+        if triage.runnable:
+            engine_started = time.time()
+            outputs = self._run_engine([r.job for r in triage.runnable if r.job is not None])
+            engine_s = time.time() - engine_started
+            n = len(triage.runnable)
+            results = [
+                Row(
+                    r.model,
+                    r.raw,
+                    r.job,
+                    self.settler.to_result(
+                        r, out, engine_s=engine_s, batch_size=n, flags=triage.flags.get(r.job.batch or "", Flags())
+                    ),
+                )
+                for r, out in zip(triage.runnable, outputs, strict=True)
+                if r.job is not None
+            ]
+            self._write(results)
+        waits = [started - r.raw.enqueued_at for r in rows if r.raw.enqueued_at]
+        facts = BatchFacts(
+            models=tuple(sorted({r.model for r in rows})),
+            jobs=len(rows),
+            ran=len(triage.runnable),
+            errors=sum(1 for o in outputs if getattr(o, "error", None) is not None),
+            generated_tokens=outputs_tokens(outputs),
+            wait_s=max(waits, default=0.0),
+            engine_s=engine_s,
+            total_s=time.time() - started,
+        )
+        peak = getattr(self.engine, "peak_memory_bytes", lambda: 0)()
+        self.stats.record(facts, peak_memory_bytes=peak)
+        if self.stats.batches % PUBLISH_EVERY_BATCHES == 0:
+            self.stats.publish(self.redis, self.keys, self.name)
+
+    def _write(self, rows: Sequence[Row]) -> None:
+        if not rows:
+            return
+        written = self.settler.write(rows, ttl_s=self.settings.result_ttl_s)
+        self.stats.escalations += len(written.follow_ups)
+        if written.follow_ups:
+            # The longest by characters stands for all (encoding each would cost ~0.3 ms a job).
+            self.engine.expect(max((e.job for e in written.follow_ups), key=prompt_chars))
+
+    def _run_engine(self, jobs: list[Job]) -> list[Any]:
+        """The one except boundary per batch: if the engine raises, each job is retried alone, so one bad
+        job cannot sink its batch-mates (a job that crashes the whole process is handled by recovery)."""
+        try:
+            maybe_crash(jobs)
+            return self.engine.run(jobs, time_limit_s=self.settings.batch_time_limit_s)
+        except Exception:
+            log.exception("engine failed on a batch of %d; retrying each job alone", len(jobs))
+            return [self._run_alone(job) for job in jobs]
+
+    def _run_alone(self, job: Job) -> Any:
+        try:
+            return self.engine.run([job], time_limit_s=self.settings.batch_time_limit_s)[0]
+        except Exception as exc:
+            log.exception("job %s failed alone", job.custom_id)
+            return RowOutput.failed(INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    # ---- recovery -----------------------------------------------------------------------------
+    def _maybe_recover(self, *, force: bool = False) -> None:
+        if not force and time.time() - self._last_recovery < self.settings.recovery_interval_s:
+            return
+        self._last_recovery = time.time()
+        # Right after a Redis outage every worker's heartbeat has lapsed: give live ones one TTL to beat
+        # again before taking anything of theirs.
+        others = time.time() - self._redis_ok_since >= self.settings.worker_ttl_s
+        with self._lock:
+            in_flight = {i for ids in self._in_flight.values() for i in ids}
+        self.recovery.run(in_flight=in_flight, others=others, batch_ttl_s=self.settings.result_ttl_s)
+
+    def _anything_recoverable(self) -> bool:
+        """For --burst: jobs still registered as running somewhere, which may come back to the queue."""
+        if self.bridge.pending_started() == 0:
+            return False
+        self._maybe_recover(force=True)
+        facts = self.bridge.queue_facts().values()
+        return self.bridge.pending_started() > 0 or any(f.depth or f.suspect_groups for f in facts)

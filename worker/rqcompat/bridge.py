@@ -1,0 +1,205 @@
+"""RQBridge: kevlaya's queues over RQ's data model -- take, load, heartbeat, finish -- with registration
+and reclaiming mixed in from their own modules."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import orjson
+import redis.exceptions
+from redis import Redis
+from rq import Queue
+from rq.job import Job as RQJob
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+
+from shared.errors import PayloadError
+from shared.keys import Keys
+from shared.quarantine import Quarantine
+from shared.serializer import serializer
+from worker.rqcompat.decode import RawJob, decode_job, parse_rq_time, rq_now, valid_id
+from worker.rqcompat.reclaim import Reclaim
+from worker.rqcompat.registration import Registration
+from worker.rqcompat.scripts import _RECOVER_LUA, _REQUEUE_LUA, _TAKE_GROUP_LUA, _TAKE_LUA
+
+_JOB_PREFIX = RQJob.redis_job_namespace_prefix
+
+
+@dataclass(frozen=True)
+class SuspectTake:
+    """One suspect group taken: its jobs, and whether they are to be written off instead of run."""
+
+    jobs: list[RawJob]
+    dead: bool = False
+
+
+@dataclass(frozen=True)
+class QueueFacts:
+    depth: int
+    oldest_enqueued_at: float | None
+    suspect_groups: int
+
+
+class RQBridge(Registration, Reclaim):
+    """RQ's queues and registries for kevlaya's queues, used by the batch worker."""
+
+    def __init__(self, redis: Redis, keys: Keys, models: Sequence[str], worker_name: str) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.worker_name = worker_name
+        # A new incarnation per process: entries of an earlier process with the same --name are a crash's.
+        self.incarnation = uuid.uuid4().hex[:8]
+        self.quarantine = Quarantine(redis, keys)
+        self.queues = {m: Queue(keys.queue_name(m), connection=redis, serializer=serializer) for m in models}
+        self.started = {m: StartedJobRegistry(queue=q) for m, q in self.queues.items()}
+        self.finished = {m: FinishedJobRegistry(queue=q) for m, q in self.queues.items()}
+        self.failed = {m: FailedJobRegistry(queue=q) for m, q in self.queues.items()}
+        self._take = redis.register_script(_TAKE_LUA)
+        self._take_group = redis.register_script(_TAKE_GROUP_LUA)
+        self._recover = redis.register_script(_RECOVER_LUA)
+        self._requeue = redis.register_script(_REQUEUE_LUA)
+        self._seq = 0
+        self.exec_id = f"{worker_name}.{self.incarnation}.0"
+
+    # ---- queue facts for the policy -----------------------------------------------------------
+    def queue_facts(self) -> dict[str, QueueFacts]:
+        """Per model: queue length, the head job's enqueue time, and suspect groups waiting."""
+        models = list(self.queues)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for m in models:
+                pipe.llen(self.queues[m].key)
+                pipe.lindex(self.queues[m].key, 0)
+                pipe.llen(self.keys.suspects(m))
+            raw = pipe.execute(raise_on_error=False)
+        heads = [valid_id(h) if isinstance(h, bytes) else None for h in raw[1::3]]
+        with self.redis.pipeline(transaction=False) as pipe:
+            for head in heads:
+                pipe.hget(RQJob.key_for(head), "enqueued_at") if head else pipe.echo("")
+            times = pipe.execute(raise_on_error=False)
+        out = {}
+        for i, m in enumerate(models):
+            depth, groups = raw[3 * i], raw[3 * i + 2]
+            if isinstance(depth, Exception):
+                self.quarantine.move_key(self.queues[m].key, "queue key is not a list")
+            if isinstance(groups, Exception):
+                self.quarantine.move_key(self.keys.suspects(m), "suspects key is not a list")
+            when = times[i] if isinstance(times[i], bytes) else None
+            out[m] = QueueFacts(
+                depth=depth if isinstance(depth, int) else 0,
+                oldest_enqueued_at=parse_rq_time(when),
+                suspect_groups=groups if isinstance(groups, int) else 0,
+            )
+        return out
+
+    # ---- take ---------------------------------------------------------------------------------
+    def begin_batch(self) -> None:
+        """A new execution id for the next take. It names the worker and this process, so recovery can
+        tell a dead worker's jobs at once and keeps one take's jobs together."""
+        self._seq += 1
+        self.exec_id = f"{self.worker_name}.{self.incarnation}.{self._seq}"
+
+    def take(self, model: str, n: int, *, ttl_s: float) -> list[str]:
+        """Atomically pop up to n job ids and register them as started by this worker. Ids that are not
+        ids (bad bytes) are quarantined and dropped from the registry."""
+        if n <= 0:
+            return []
+        try:
+            raw = self._take(
+                keys=[self.queues[model].key, self.started[model].key, _JOB_PREFIX],
+                args=[n, time.time() + ttl_s, self.exec_id, self.worker_name, rq_now()],
+            )
+        except redis.exceptions.ResponseError as exc:
+            self._bad_take(model, exc)
+            return []
+        return self._screen(model, raw, where=self.queues[model].key)
+
+    def take_group(self, model: str, *, ttl_s: float) -> SuspectTake | None:
+        """Atomically pop one suspect group and register its jobs as started; None when there is none."""
+        try:
+            raw = self._take_group(
+                keys=[self.keys.suspects(model), self.started[model].key, _JOB_PREFIX],
+                args=[time.time() + ttl_s, self.exec_id, self.worker_name, rq_now()],
+            )
+        except redis.exceptions.ResponseError as exc:
+            self._bad_take(model, exc, key=self.keys.suspects(model))
+            return None
+        if not raw:
+            return None
+        record, ids = raw[0], raw[1:]
+        try:
+            dead = bool(orjson.loads(record).get("dead"))
+        except (orjson.JSONDecodeError, AttributeError):
+            self.quarantine.put(self.keys.suspects(model), "suspect group is not a JSON record", record)
+            dead = False
+        good = self._screen(model, ids, where=self.keys.suspects(model))
+        return SuspectTake(self.load(good), dead=dead)
+
+    def _bad_take(self, model: str, exc: redis.exceptions.ResponseError, *, key: str | None = None) -> None:
+        if "KEVLAYA_BAD_REGISTRY" in str(exc):
+            self.quarantine.move_key(self.started[model].key, "started registry is not a sorted set")
+        elif "WRONGTYPE" in str(exc):
+            self.quarantine.move_key(key or self.queues[model].key, "key is not a list")
+        else:
+            raise exc
+
+    def _screen(self, model: str, raw_ids: Sequence[bytes], *, where: str) -> list[str]:
+        good = []
+        for raw in raw_ids:
+            job_id = valid_id(raw)
+            if job_id is None:
+                self.quarantine.put(where, "not a job id (bad bytes or characters)", raw)
+                self.redis.zrem(self.started[model].key, raw + b":" + self.exec_id.encode())
+            else:
+                good.append(job_id)
+        return good
+
+    def load(self, ids: Sequence[str]) -> list[RawJob]:
+        """Fetch and decode job hashes; a malformed or hostile one comes back with its `problem` set."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hgetall(RQJob.key_for(job_id))
+            hashes = pipe.execute(raise_on_error=False)
+        out = []
+        for job_id, h in zip(ids, hashes, strict=True):
+            if isinstance(h, Exception):
+                self.quarantine.put(RQJob.key_for(job_id), "job key is not a hash", job_id)
+                out.append(RawJob(job_id, None, PayloadError(f"job key is not a hash ({h})"), 0, 0, None))
+            else:
+                out.append(decode_job(job_id, h))
+        return out
+
+    # ---- heartbeat ----------------------------------------------------------------------------
+    def heartbeat(self, model: str, ids: Iterable[str], *, ttl_s: float) -> None:
+        members = {f"{i}:{self.exec_id}": time.time() + ttl_s for i in ids}
+        if members:
+            self.redis.zadd(self.started[model].key, members, xx=True)
+
+    # ---- finalise -----------------------------------------------------------------------------
+    def finish(self, model: str, done: Sequence[tuple[str, str | None]], *, ttl_s: int) -> None:
+        """Move each (job_id, error message or None) out of started into finished/failed, in one pipeline.
+        A hostile job key of the wrong type fails only its own commands (raise_on_error=False)."""
+        now_s, stamp = time.time(), rq_now()
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id, error in done:
+                pipe.zrem(self.started[model].key, f"{job_id}:{self.exec_id}")
+                key = RQJob.key_for(job_id)
+                if error is None:
+                    pipe.zadd(self.finished[model].key, {job_id: now_s + ttl_s})
+                    pipe.hset(key, mapping={"status": "finished", "ended_at": stamp})
+                else:
+                    pipe.zadd(self.failed[model].key, {job_id: now_s + ttl_s})
+                    exc = zlib.compress(error.encode("utf-8", "replace"))
+                    pipe.hset(key, mapping={"status": "failed", "ended_at": stamp, "exc_info": exc})
+                pipe.expire(key, ttl_s)
+            pipe.execute(raise_on_error=False)
+
+    def cleanup_registries(self) -> None:
+        """Drop expired entries of the finished and failed registries (RQ's own cleanup), so they do not
+        grow forever when no stock RQ worker runs its maintenance."""
+        for registry in (*self.finished.values(), *self.failed.values()):
+            with contextlib.suppress(redis.exceptions.ResponseError):
+                registry.cleanup()

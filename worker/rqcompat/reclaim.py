@@ -1,0 +1,165 @@
+"""Taking back what nobody works on any more: a dead worker's started entries (as suspect groups, one
+atomic script per dead take), our own lost entries, and ids stuck in RQ's intermediate list."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis.exceptions
+from redis import Redis
+from rq import Queue
+from rq.job import Job as RQJob
+from rq.registry import StartedJobRegistry
+
+from shared.keys import Keys
+from shared.quarantine import Quarantine
+from worker.recovery import SuspectGroup
+from worker.rqcompat.decode import CRASHES_FIELD, _int, valid_id
+
+_JOB_PREFIX = RQJob.redis_job_namespace_prefix
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    """A started-registry entry nobody works on any more. `crashed`: its worker died (vs. lost track)."""
+
+    member: bytes
+    job_id: str
+    exec_id: str
+    crashed: bool
+
+
+class Reclaim:
+    """Mixed into RQBridge: needs its keys, queues, registries, scripts and quarantine, and (from
+    Registration) `worker_alive`."""
+
+    redis: Redis
+    keys: Keys
+    worker_name: str
+    incarnation: str
+    queues: dict[str, Queue]
+    started: dict[str, StartedJobRegistry]
+    quarantine: Quarantine
+    _recover: Any
+    _requeue: Any
+
+    def abandoned(self, model: str, *, in_flight: set[str], others: bool) -> list[Abandoned]:
+        """Started entries nobody is working on any more:
+        - ours whose heartbeat lapsed and that we are not running (we lost track, e.g. Redis failed mid-write);
+        - an earlier process's under our name (we took its name over, so it is dead): crashed;
+        - another worker's, once that worker is gone (its key expired or records a death), if `others`.
+        A live worker's entries are never taken, even with a lapsed score: after a Redis outage every score
+        may have lapsed while their owners are still running them."""
+        key = self.started[model].key
+        try:
+            entries = self.redis.zrange(key, 0, -1, withscores=True)
+        except redis.exceptions.ResponseError:
+            self.quarantine.move_key(key, "started registry is not a sorted set")
+            return []
+        now_s = time.time()
+        out, alive = [], {}
+        for member, score in entries:
+            parsed = _parse_member(member)
+            if parsed is None:
+                self.quarantine.put(key, "started entry is not '<job id>:<execution id>'", member)
+                self.redis.zrem(key, member)
+                continue
+            job_id, exec_id, owner, incarnation = parsed
+            if owner == self.worker_name and incarnation == self.incarnation:
+                if score < now_s and job_id not in in_flight:
+                    out.append(Abandoned(member, job_id, exec_id, crashed=False))
+            elif owner == self.worker_name:
+                out.append(Abandoned(member, job_id, exec_id, crashed=True))
+            elif others:
+                if owner not in alive:
+                    alive[owner] = self.worker_alive(owner)
+                if not alive[owner]:
+                    out.append(Abandoned(member, job_id, exec_id, crashed=True))
+        return out
+
+    def crash_counts(self, ids: Sequence[str]) -> dict[str, int]:
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hget(RQJob.key_for(job_id), CRASHES_FIELD)
+            raw = pipe.execute(raise_on_error=False)
+        return {i: _int(v) if isinstance(v, bytes) else 0 for i, v in zip(ids, raw, strict=True)}
+
+    def requeue_lost(self, model: str, entries: Sequence[Abandoned]) -> None:
+        """Our own entries we lost track of: back to the queue front as they were (no crash counted)."""
+        args = [x for e in entries for x in (e.member, e.job_id)]
+        if args:
+            self._requeue(keys=[self.started[model].key, self.queues[model].key, _JOB_PREFIX], args=args)
+
+    def to_suspects(
+        self, model: str, entries: Sequence[Abandoned], crashes: dict[str, int], groups: Sequence[SuspectGroup]
+    ) -> bool:
+        """Move a dead take's entries into suspect groups at the front, atomically. False if another worker
+        claimed any of them first (it recovers them)."""
+        records = [orjson.dumps({"ids": list(g.ids), "dead": g.dead}) for g in groups]
+        args: list[Any] = [len(entries), *[e.member for e in entries], len(crashes)]
+        for job_id, count in crashes.items():
+            args += [job_id, count]
+        done = self._recover(
+            keys=[self.started[model].key, self.keys.suspects(model), _JOB_PREFIX], args=[*args, *records]
+        )
+        return bool(done)
+
+    def stuck_intermediate(self, model: str, *, older_than_s: float) -> list[str]:
+        """Ids left in RQ's intermediate list (by RQ tooling or a stock worker) for longer than older_than_s."""
+        key = self.queues[model].intermediate_queue_key
+        try:
+            raws = self.redis.lrange(key, 0, -1)
+        except redis.exceptions.ResponseError:
+            self.quarantine.move_key(key, "intermediate queue is not a list")
+            return []
+        out = []
+        for raw in raws:
+            job_id = valid_id(raw)
+            if job_id is None:
+                self.quarantine.put(key, "not a job id (bad bytes or characters)", raw)
+                self.redis.lrem(key, 1, raw)
+                continue
+            seen_key = self.keys.first_seen(key, job_id)
+            if self.redis.set(seen_key, time.time(), nx=True, ex=86400):
+                continue
+            try:
+                first = float(self.redis.get(seen_key) or time.time())
+            except ValueError:
+                first = 0.0
+            if time.time() - first > older_than_s and self.redis.lrem(key, 1, raw):
+                out.append(job_id)
+        return out
+
+    def requeue_front(self, model: str, job_id: str) -> None:
+        with self.redis.pipeline() as pipe:
+            pipe.hset(RQJob.key_for(job_id), "status", "queued")
+            pipe.lpush(self.queues[model].key, job_id)
+            pipe.execute(raise_on_error=False)
+
+    def pending_started(self) -> int:
+        total = 0
+        for m, registry in self.started.items():
+            try:
+                total += self.redis.zcard(registry.key) + self.redis.llen(self.keys.suspects(m))
+            except redis.exceptions.ResponseError:
+                continue
+        return total
+
+
+def _parse_member(member: bytes) -> tuple[str, str, str, str | None] | None:
+    """(job id, execution id, owner name, incarnation) of a started entry, or None if it is not ours to read."""
+    try:
+        text = member.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    job_id, sep, exec_id = text.rpartition(":")
+    if not sep or valid_id(job_id) is None or not exec_id:
+        return None
+    parts = exec_id.rsplit(".", 2)
+    if len(parts) == 3:
+        return job_id, exec_id, parts[0], parts[1]
+    return job_id, exec_id, parts[0], None  # an execution id of another writer: owner only

@@ -1,0 +1,82 @@
+"""Worker registration in RQ's keys, so `rq info` lists kevlaya's workers, and a dead registration under
+our own name (a crash, then a restart with the same --name) is taken over at once."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+
+import redis.exceptions
+from redis import Redis
+from rq import Queue
+from rq.worker import SimpleWorker
+
+from shared.errors import WorkerNameTakenError
+from shared.serializer import serializer
+from worker.rqcompat.decode import _int, parse_rq_time
+
+
+class Registration:
+    """Mixed into RQBridge: needs `redis`, `worker_name` and `queues`."""
+
+    redis: Redis
+    worker_name: str
+    queues: dict[str, Queue]
+
+    def make_rq_worker(self, worker_ttl_s: int) -> SimpleWorker:
+        return SimpleWorker(
+            list(self.queues.values()),
+            connection=self.redis,
+            name=self.worker_name,
+            serializer=serializer,
+            worker_ttl=worker_ttl_s,
+        )
+
+    def register(self, rq_worker: SimpleWorker, *, worker_ttl_s: int) -> None:
+        """Register our birth; a dead registration under our name (a crash, then a restart with the same
+        --name) is taken over at once. A live one elsewhere is refused with WorkerNameTakenError."""
+        key = rq_worker.key
+        if self.redis.exists(key) and not self._registration_dead(key, worker_ttl_s):
+            raise WorkerNameTakenError(
+                f"a live worker named {self.worker_name!r} is registered (heartbeat within {worker_ttl_s} s); "
+                "pick another --name or stop that worker"
+            )
+        with contextlib.suppress(redis.exceptions.ResponseError):
+            self.redis.delete(key)
+        rq_worker.register_birth()
+
+    def _registration_dead(self, key: str, worker_ttl_s: int) -> bool:
+        try:
+            h = self.redis.hgetall(key)
+        except redis.exceptions.ResponseError:
+            return True  # not a hash: not a registration at all
+        if not h or b"death" in h:
+            return True
+        last = parse_rq_time(h.get(b"last_heartbeat"))
+        if last is None or time.time() - last > worker_ttl_s:
+            return True
+        host = h.get(b"hostname", b"").decode("utf-8", "replace")
+        pid = _int(h.get(b"pid"))
+        if host != socket.gethostname() or pid <= 0:
+            return False
+        return pid == os.getpid() or not _pid_alive(pid)
+
+    def worker_alive(self, name: str) -> bool:
+        """Its RQ worker key is a hash (heartbeats keep it from expiring) that records no death."""
+        key = f"{SimpleWorker.redis_worker_namespace_prefix}{name}"
+        try:
+            return bool(self.redis.exists(key)) and not self.redis.hexists(key, "death")
+        except redis.exceptions.ResponseError:
+            return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,36 @@
+"""The worker's settings: keyword-only, units in every name, derived intervals in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.keys import DEFAULT_PREFIX
+from shared.store import DEFAULT_BATCH_TTL_S
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSettings:
+    burst: bool = False
+    max_wait_ms: int = 2000
+    heartbeat_interval_s: float = 3.0
+    job_heartbeat_ttl_s: float = 20.0
+    worker_ttl_s: int = 20
+    idle_poll_s: float = 0.1
+    recovery_interval_s: float = 5.0
+    result_ttl_s: int = DEFAULT_BATCH_TTL_S
+    followup_retries: int = 3
+    mixed_tails: bool = True
+    batch_time_limit_s: float = 900.0
+    name: str | None = None
+    prefix: str = DEFAULT_PREFIX
+
+    @classmethod
+    def with_heartbeat_ttl(cls, job_heartbeat_ttl_s: float, **kw: object) -> WorkerSettings:
+        """Settings whose heartbeat interval and worker TTL follow the job heartbeat TTL: beat four times
+        per TTL (at most every 3 s), and a worker is dead once a TTL passes without a beat."""
+        return cls(
+            job_heartbeat_ttl_s=job_heartbeat_ttl_s,
+            heartbeat_interval_s=min(3.0, job_heartbeat_ttl_s / 4),
+            worker_ttl_s=max(2, int(job_heartbeat_ttl_s)),
+            **kw,  # type: ignore[arg-type]
+        )

@@ -1,0 +1,270 @@
+"""From taken jobs to written results: triage before the engine, results after it, one write per batch.
+
+A row is carried through the batch as one record (what was taken, its decoded job, its result), so nothing
+is decoded twice. Writes go follow-ups first (one transaction per batch), then results, then RQ's
+bookkeeping (one pipeline per model): a crash in between re-runs a job, never loses one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import redis.exceptions
+from redis import Redis
+
+from shared.enqueue import EnqueueSettings, Entry, enqueue_absent, queues_for
+from shared.errors import BAD_PAYLOAD, CANCELLED, WORKER_DIED, ValidationError
+from shared.job import Job
+from shared.keys import Keys
+from shared.result import Result
+from shared.store import batch_flags, promote_step, record_result
+from worker.config import ModelsConfig
+from worker.followups import escalates, follow_up
+from worker.outputs import RowOutput
+from worker.rqcompat import RawJob, RQBridge
+
+log = logging.getLogger("kevlaya.worker")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One taken job through its batch. `result` None with `job` None: only RQ bookkeeping is left."""
+
+    model: str
+    raw: RawJob
+    job: Job | None = None
+    result: Result | None = None
+
+
+@dataclass(frozen=True)
+class Flags:
+    cancelled: bool = False
+    escalate_off: bool = False
+
+
+@dataclass(frozen=True)
+class Triage:
+    settled: list[Row]  # refused, already answered, cancelled: written without running
+    runnable: list[Row]
+    flags: dict[str, Flags]
+
+
+@dataclass(frozen=True)
+class Written:
+    follow_ups: list[Entry]
+    duplicates: int
+
+
+class Settler:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        config: ModelsConfig,
+        bridge: RQBridge,
+        *,
+        versions: Mapping[str, dict[str, str]],
+        enqueue: EnqueueSettings,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.config = config
+        self.bridge = bridge
+        self.versions = versions
+        self.enqueue = enqueue
+        self.queues = queues_for(redis, keys, config.names)
+
+    # ---- before the engine --------------------------------------------------------------------
+    def triage(self, taken: Sequence[Row]) -> Triage:
+        decoded = [self._decode(row) for row in taken]
+        jobs = [row for row in decoded if row.job is not None and row.result is None]
+        done = self._already_done(jobs)
+        flags = self._flags({row.job.batch for row in jobs if row.job and row.job.batch})
+        settled: list[Row] = []
+        runnable: list[Row] = []
+        for row in decoded:
+            job = row.job
+            if row.result is not None:
+                settled.append(row)
+            elif job is None or row.raw.id in done:
+                settled.append(replace(row, job=None))  # answered before a crash: bookkeeping only
+            elif flags.get(job.batch or "", Flags()).cancelled:
+                settled.append(self._cancelled(row, job))
+            else:
+                runnable.append(row)
+        self._mark_running(runnable)
+        return Triage(settled, runnable, flags)
+
+    def _decode(self, row: Row) -> Row:
+        """The row with its job, or with an error result for a job that cannot run (hostile, malformed)."""
+        raw = row.raw
+        payload = raw.payload or {}
+        if raw.problem is not None:
+            log.warning("refusing job %s: %s", raw.id, raw.problem)
+            return replace(row, result=self.failure_from(row, raw.problem.type, str(raw.problem)))
+        try:
+            job = Job.from_dict(payload, allow_system=True)
+        except ValidationError as exc:
+            return replace(row, result=self.failure_from(row, BAD_PAYLOAD, f"invalid payload: {exc}"))
+        except Exception as exc:  # any bytes can be in Redis: whatever the validator trips on fails this job only
+            return replace(row, result=self.failure_from(row, BAD_PAYLOAD, f"unreadable payload: {type(exc).__name__}"))
+        if job.model != row.model:
+            msg = f"job for {job.model!r} found on the {row.model} queue"
+            return replace(row, result=self.failure_from(row, BAD_PAYLOAD, msg))
+        return replace(row, job=job)
+
+    def _already_done(self, rows: Sequence[Row]) -> set[str]:
+        """Jobs whose result was written before a crash: a finished job never runs again."""
+        if not rows:
+            return set()
+        with self.redis.pipeline(transaction=False) as pipe:
+            for row in rows:
+                job = row.job
+                assert job is not None
+                if job.batch is None:
+                    pipe.echo("")
+                elif self.config.models[job.model].escalates_to:  # an escalated step is done too
+                    pipe.eval(
+                        "return redis.call('HEXISTS', KEYS[1], ARGV[1]) + redis.call('HEXISTS', KEYS[2], ARGV[1])",
+                        2,
+                        self.keys.batch_results(job.batch),
+                        self.keys.batch_steps(job.batch),
+                        job.custom_id,
+                    )
+                else:
+                    pipe.hexists(self.keys.batch_results(job.batch), job.custom_id)
+            found = pipe.execute(raise_on_error=False)  # a wrong-typed batch key reads as "not done"
+        return {row.raw.id for row, f in zip(rows, found, strict=True) if isinstance(f, int) and f}
+
+    def _flags(self, batches: set[str]) -> dict[str, Flags]:
+        out = {}
+        for b in batches:
+            cancelled, off = batch_flags(self.redis, self.keys, b)
+            out[b] = Flags(cancelled=cancelled, escalate_off=off)
+        return out
+
+    def _mark_running(self, rows: Sequence[Row]) -> None:
+        """Add runnable jobs to their batch's running set (writing the result removes them), so `kevlaya
+        status` counts what is running."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for row in rows:
+                if row.job is not None and row.job.batch:
+                    pipe.sadd(self.keys.batch_running(row.job.batch), row.raw.id)
+                    pipe.expire(self.keys.batch_running(row.job.batch), self.enqueue.ttl_s)
+            pipe.execute(raise_on_error=False)
+
+    def _cancelled(self, row: Row, job: Job) -> Row:
+        """A cancelled batch's job. A follow-up whose parent's answer exists ends the item with that answer
+        (computed work is kept); anything else ends as `cancelled`."""
+        if job.parent is not None and job.batch and promote_step(self.redis, self.keys, job.batch, job.custom_id):
+            return replace(row, job=None)
+        return replace(row, job=job, result=self.failure(row, job, CANCELLED, "batch cancelled before this item ran"))
+
+    # ---- results ------------------------------------------------------------------------------
+    def failure_from(self, row: Row, error_type: str, message: str) -> Result:
+        payload = row.raw.payload or {}
+        cid, batch, meta = payload.get("custom_id"), payload.get("batch"), payload.get("meta")
+        return Result.failure(
+            custom_id=cid if isinstance(cid, str) else row.raw.id,
+            model=row.model,
+            job_id=row.raw.id,
+            batch=batch if isinstance(batch, str) else None,
+            error_type=error_type,
+            message=message,
+            meta=meta if error_type == WORKER_DIED and isinstance(meta, (dict, list, str, int, float)) else None,
+        )
+
+    @staticmethod
+    def failure(row: Row, job: Job, error_type: str, message: str) -> Result:
+        return Result.failure(
+            custom_id=job.custom_id,
+            model=job.model,
+            job_id=row.raw.id,
+            batch=job.batch,
+            error_type=error_type,
+            message=message,
+            meta=job.meta,
+        )
+
+    def to_result(self, row: Row, out: RowOutput, *, engine_s: float, batch_size: int, flags: Flags) -> Result:
+        job = row.job
+        assert job is not None
+        timing: dict[str, float] = {"engine_s": round(engine_s, 4), "batch_size": batch_size}
+        if row.raw.enqueued_at:
+            timing["queued_s"] = round(max(0.0, time.time() - engine_s - row.raw.enqueued_at), 4)
+        result = Result(
+            custom_id=job.custom_id,
+            model=job.model,
+            job_id=row.raw.id,
+            batch=job.batch,
+            text=out.text,
+            decision=out.decision,
+            confidence=out.confidence,
+            choices=out.choices,
+            usage={"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens}
+            if out.error is None
+            else {},
+            escalated_from=job.parent.job_id if job.parent else None,
+            timing=timing,
+            model_version=dict(self.versions.get(job.model, {})),
+            meta=job.meta,
+            error=out.error,
+        )
+        target = escalates(self.config.models[job.model], job, result, batch_off=flags.escalate_off or flags.cancelled)
+        if target is None:
+            return result
+        return replace(result, final=False, escalated_to=follow_up(job, result, target).job_id)
+
+    # ---- writing ------------------------------------------------------------------------------
+    def write(self, rows: Sequence[Row], *, ttl_s: int) -> Written:
+        """Follow-ups first, then results, then RQ bookkeeping: a crash in between re-runs, never loses."""
+        entries = [
+            follow_up(row.job, row.result, self.config.models[row.job.model].escalates_to or "")
+            for row in rows
+            if row.job is not None and row.result is not None and row.result.escalated_to
+        ]
+        created = enqueue_absent(self.redis, self.queues, entries, self.enqueue)
+        duplicates = 0
+        by_model: dict[str, list[tuple[str, str | None]]] = {}
+        for row in rows:
+            result = row.result
+            if result is not None and result.batch is not None:
+                first = self._record(row, result)
+                if first is None:
+                    log.warning("job %s: %r is not an item of batch %s", row.raw.id, result.custom_id, result.batch)
+                elif not first and result.final:
+                    duplicates += 1  # a second final answer was refused: counted, so tests and operators see it
+            error = None if result is None or result.error is None else f"{result.error.type}: {result.error.message}"
+            by_model.setdefault(row.model, []).append((row.raw.id, error))
+        if duplicates:
+            self.redis.incrby(self.keys.counter("duplicate_final_results"), duplicates)
+        for model, done in by_model.items():
+            self.bridge.finish(model, done, ttl_s=ttl_s)
+        return Written(created, duplicates)
+
+    def _record(self, row: Row, result: Result) -> bool | None:
+        """record_result, but a batch whose keys a hostile writer replaced with other types costs only this
+        result (quarantined), never the worker."""
+        try:
+            return record_result(self.redis, self.keys, result)
+        except redis.exceptions.ResponseError as exc:
+            self.bridge.quarantine.put(self.keys.batch(result.batch or ""), f"batch keys unusable: {exc}", row.raw.id)
+            return None
+
+
+def dead_letter(settler: Settler, rows: Sequence[Row]) -> list[Row]:
+    """Rows whose job killed its worker again while running alone: failed for good, never run again."""
+    out = []
+    for row in rows:
+        log.error("job %s: its worker died each time it ran (%d crashes); failing it", row.raw.id, row.raw.crashes)
+        message = f"the worker died while running it ({row.raw.crashes} crashes)"
+        out.append(replace(row, result=settler.failure_from(row, WORKER_DIED, message)))
+    return out
+
+
+def outputs_tokens(outputs: Sequence[Any]) -> int:
+    return sum(getattr(o, "completion_tokens", 0) or 0 for o in outputs)
