@@ -13,7 +13,7 @@ from redis.exceptions import WatchError
 
 from shared import models as known_models
 from shared.conn import connect
-from shared.enqueue import EnqueueSettings, Entry, enqueue_entries, job_key, queues_for
+from shared.enqueue import EnqueueSettings, Entry, cancel_queued, enqueue_entries, job_key, queues_for
 from shared.errors import CANCELLED, BatchClosedError, SubmissionError, ValidationError
 from shared.job import DEFAULT_LIMITS, Job, Limits
 from shared.keys import BATCH_ID_RE, DEFAULT_PREFIX, Keys, followup_id, job_id
@@ -253,9 +253,7 @@ class Client:
         by_id.update({followup_id(j, to): c for j, c in list(by_id.items()) for to in known_models.MODEL_NAMES})
         cancelled = 0
         for model, queue in self.queues.items():
-            for jid in [j for j in queue.get_job_ids() if j in by_id]:
-                if not self.redis.lrem(queue.key, 0, jid):
-                    continue  # a worker took it meanwhile; it sees the flag and cancels it itself
+            for jid in cancel_queued(self.redis, queue, list(by_id), ttl_s=self.batch_ttl_s):
                 if jid not in base_ids and promote_step(self.redis, self.keys, batch, by_id[jid]):
                     continue  # a follow-up: the item keeps its computed Laya answer
                 result = Result.failure(

@@ -1,5 +1,6 @@
-"""The one way a job enters a kevlaya queue: RQ's public API (`Queue.prepare_data`, `enqueue_many` on a
-pipeline), for the producer's submissions and the worker's escalation follow-ups alike."""
+"""The one way a job enters or leaves a kevlaya queue: RQ's public API (`Queue.prepare_data`, `enqueue_many`
+on a pipeline, the canceled registry and job status), for the producer's submissions, cancels and the worker's
+escalation follow-ups alike."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.exceptions import WatchError
 from rq import Queue, Retry
+from rq.job import Job as RQJob
+from rq.job import JobStatus
+from rq.queue import EnqueueData
+from rq.registry import CanceledJobRegistry
 
 from shared.job import Job
 from shared.jobfunc import RUN_DECISION
@@ -77,7 +82,7 @@ def enqueue_absent(
                 continue
 
 
-def _data(entry: Entry, settings: EnqueueSettings):
+def _data(entry: Entry, settings: EnqueueSettings) -> EnqueueData:
     return Queue.prepare_data(
         RUN_DECISION,
         args=[entry.job.to_dict()],
@@ -88,3 +93,38 @@ def _data(entry: Entry, settings: EnqueueSettings):
         failure_ttl=settings.ttl_s,
         retry=Retry(max=settings.retries) if settings.retries > 0 else None,
     )
+
+
+# Removes the given ids from a queue in one pass (LREM per id would be O(queue) each). KEYS[1]: the queue.
+# ARGV: ids. Returns the ids removed.
+_REMOVE_LUA = """
+local drop = {}
+for i = 1, #ARGV do drop[ARGV[i]] = true end
+local keep, removed = {}, {}
+for _, id in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+  if drop[id] then removed[#removed + 1] = id else keep[#keep + 1] = id end
+end
+if #removed > 0 then
+  redis.call('DEL', KEYS[1])
+  for i = 1, #keep, 4000 do redis.call('RPUSH', KEYS[1], unpack(keep, i, math.min(i + 3999, #keep))) end
+end
+return removed
+"""
+
+
+def cancel_queued(redis: Redis, queue: Queue, job_ids: Sequence[str], *, ttl_s: int) -> list[str]:
+    """Take these jobs out of the queue (one pass) and mark them canceled the way RQ's tools read it: status
+    `canceled`, in the queue's canceled registry, and the job hash expiring with the batch. Returns the ids
+    that were still queued (a worker may have taken the others)."""
+    if not job_ids:
+        return []
+    removed = [i.decode() for i in redis.register_script(_REMOVE_LUA)(keys=[queue.key], args=list(job_ids))]
+    registry = CanceledJobRegistry(queue=queue)
+    with redis.pipeline(transaction=False) as pipe:
+        for job_id in removed:
+            job = RQJob(job_id, connection=redis)
+            job.set_status(JobStatus.CANCELED, pipeline=pipe)
+            registry.add(job, ttl=ttl_s, pipeline=pipe)
+            pipe.expire(job.key, ttl_s)
+        pipe.execute(raise_on_error=False)
+    return removed

@@ -153,3 +153,44 @@ def test_a_worker_taking_a_cancelled_follow_up_keeps_the_laya_answer(client: Cli
     redis.hset(Keys().batch(batch), "cancel_requested", "1")  # cancelled while the follow-ups are being taken
     drain(redis)
     _assert_kept_laya_answers(client, redis, batch, 4)
+
+
+def test_cancel_is_one_pass_and_rq_tools_agree(client: Client, redis: Redis) -> None:
+    from rq import Queue
+    from rq.registry import CanceledJobRegistry
+
+    other = client.submit_batch(jobs(50), escalate=False)
+    handle = client.submit_batch([{**j, "custom_id": f"c{i}"} for i, j in enumerate(jobs(300))], escalate=False)
+    assert client.cancel(handle.id) == 300
+    queue = Queue("kevlaya:laya", connection=redis)
+    assert queue.count == 50  # the other batch's jobs stay, in order
+    assert [j.decode() for j in redis.lrange(queue.key, 0, 2)] == [
+        f"{other.id}-{h}" for h in _hashes(["i0", "i1", "i2"])
+    ]
+    canceled = CanceledJobRegistry(queue=queue).get_job_ids()
+    assert len(canceled) == 300 and all(i.startswith(handle.id) for i in canceled)
+    job = queue.fetch_job(canceled[0])
+    assert job.get_status() == "canceled"
+    assert 0 < redis.ttl(job.key) <= client.batch_ttl_s  # nothing a cancel leaves behind lives forever
+    counts = client.status(handle.id).counts
+    assert (counts.cancelled, counts.queued, counts.running) == (300, 0, 0)
+
+
+def _hashes(custom_ids: list[str]) -> list[str]:
+    from shared.keys import job_id
+
+    return [job_id("x", c)[2:] for c in custom_ids]
+
+
+def test_running_count_shows_the_batch_in_flight(client: Client, redis: Redis) -> None:
+    handle = client.submit_batch(jobs(7), escalate=False)
+    seen: list[int] = []
+
+    class Watching(FakeEngine):
+        def run(self, batch, *, time_limit_s=None):
+            seen.append(client.status(handle.id).counts.running)
+            return super().run(batch, time_limit_s=time_limit_s)
+
+    BatchWorker(redis, Watching(), FAKE_CONFIG, WorkerSettings(burst=True)).work()
+    assert seen == [7]
+    assert client.status(handle.id).counts.running == 0
