@@ -10,11 +10,23 @@ from typing import Any
 
 import click
 import orjson
+from redis import exceptions as redis_exceptions
 from tqdm import tqdm
 
 from producer.client import Client
 from producer.jsonl import parse_lines
-from shared.errors import BatchNotFoundError, KevlayaError, SubmissionError
+from shared.conn import redis_problem
+from shared.errors import (
+    EXIT_INCOMPLETE,
+    EXIT_ITEMS_FAILED,
+    EXIT_OK,
+    EXIT_REDIS,
+    EXIT_USAGE,
+    KevlayaError,
+    RedisUnavailableError,
+    SubmissionError,
+    WaitTimeoutError,
+)
 from shared.keys import DEFAULT_PREFIX
 from shared.models import MODEL_NAMES
 
@@ -63,6 +75,10 @@ class _LazyGroup(click.Group):
 def cli(ctx: click.Context, redis_url: str | None, prefix: str) -> None:
     """kevlaya: queue-driven batch worker for the Kev and Laya decision models."""
     ctx.obj = {"redis_url": redis_url, "prefix": prefix}
+    _CONTEXT["redis_url"] = redis_url
+
+
+_CONTEXT: dict[str, str | None] = {}  # what main() needs to name the Redis an error came from
 
 
 def _client(ctx: click.Context) -> Client:
@@ -74,10 +90,17 @@ def _client(ctx: click.Context) -> Client:
 @click.option("--model", type=click.Choice(MODEL_NAMES), default=None, help="Model for lines that name none.")
 @click.option("--batch-id", default=None, help="Add to (or resubmit into) this batch; known items are skipped.")
 @click.option("--wait", is_flag=True, help="Show a progress bar until every item is answered.")
+@click.option("--timeout", "timeout_s", type=float, default=None, help="With --wait: give up after this many seconds.")
 @click.option("--no-escalate", is_flag=True, help="Never escalate Laya answers to Kev in this batch.")
 @click.pass_context
 def submit(
-    ctx: click.Context, file: Any, model: str | None, batch_id: str | None, wait: bool, no_escalate: bool
+    ctx: click.Context,
+    file: Any,
+    model: str | None,
+    batch_id: str | None,
+    wait: bool,
+    timeout_s: float | None,
+    no_escalate: bool,
 ) -> None:
     """Validate FILE (JSONL, or - for stdin) completely, then enqueue it. Prints the batch id on stdout."""
     try:
@@ -86,7 +109,7 @@ def submit(
         for err in exc.errors:
             click.echo(str(err), err=True)
         click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+        sys.exit(EXIT_USAGE)
     client = _client(ctx)
     with tqdm(total=len(jobs), desc="enqueue", unit="job", file=sys.stderr, disable=len(jobs) < 5000 or None) as bar:
         handle = client.submit_batch(
@@ -95,27 +118,38 @@ def submit(
     click.echo(f"batch {handle.id}: {handle.enqueued} enqueued, {handle.skipped} already present", err=True)
     click.echo(handle.id)
     if wait:
-        record = _wait_with_bar(client, handle.id)
-        sys.exit(0 if record.counts.failed == 0 else 2)
+        record = _wait_with_bar(client, handle.id, timeout_s)
+        sys.exit(EXIT_OK if record.counts.failed == 0 else EXIT_ITEMS_FAILED)
 
 
-def _wait_with_bar(client: Client, batch: str) -> Any:
+NO_WORKER_WARN_S = 60.0
+
+
+def _wait_with_bar(client: Client, batch: str, timeout_s: float | None = None) -> Any:
+    """A progress bar until the batch completes; a warning when no worker has been seen for a minute."""
     record = client.status(batch)
+    started, warned = time.monotonic(), False
     with tqdm(total=record.counts.total, desc=batch, unit="item", file=sys.stderr) as bar:
 
         def update(rec: Any) -> None:
+            nonlocal warned
             bar.update(rec.counts.done - bar.n)
             bar.set_postfix(running=rec.counts.running, failed=rec.counts.failed, escalated=rec.counts.escalated)
+            waited = time.monotonic() - started
+            if not warned and waited >= NO_WORKER_WARN_S and not client.workers_seen(NO_WORKER_WARN_S):
+                warned = True
+                bar.write("warning: no kevlaya worker has been seen for a minute; is one running?", file=sys.stderr)
 
-        return client.wait(batch, on_poll=update)
+        return client.wait(batch, on_poll=update, timeout_s=timeout_s)
 
 
 @cli.command()
 @click.argument("batch", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with a `counts` object).")
 @click.option("--wait", is_flag=True, help="Show a progress bar until the batch is complete.")
+@click.option("--timeout", "timeout_s", type=float, default=None, help="With --wait: give up after this many seconds.")
 @click.pass_context
-def status(ctx: click.Context, batch: str | None, as_json: bool, wait: bool) -> None:
+def status(ctx: click.Context, batch: str | None, as_json: bool, wait: bool, timeout_s: float | None) -> None:
     """Counts, rate and ETA of BATCH; without BATCH, queue depths per model and the workers seen."""
     client = _client(ctx)
     if batch is None:
@@ -134,7 +168,7 @@ def status(ctx: click.Context, batch: str | None, as_json: bool, wait: bool) -> 
             for q in quarantine["recent"]:
                 click.echo(f"  {q.get('where')}: {q.get('reason')} -- {q.get('entry')}")
         return
-    record = _wait_with_bar(client, batch) if wait else client.status(batch)
+    record = _wait_with_bar(client, batch, timeout_s) if wait else client.status(batch)
     data = record.to_dict(time.time())
     if as_json:
         click.echo(orjson.dumps(data).decode())
@@ -162,7 +196,8 @@ def results(ctx: click.Context, batch: str, output: Any) -> None:
         pending += bool(row.get("pending"))
         output.write(orjson.dumps(row) + b"\n")
     if pending:
-        click.echo(f"note: {pending} item(s) still pending", err=True)
+        click.echo(f"note: {pending} item(s) still pending; exported what is done", err=True)
+        sys.exit(EXIT_INCOMPLETE)
 
 
 @cli.command()
@@ -175,11 +210,29 @@ def cancel(ctx: click.Context, batch: str) -> None:
 
 
 def main() -> None:
+    """Run the CLI: expected failures end in one line on stderr and a documented exit code, never a traceback."""
     try:
-        cli(standalone_mode=True)
-    except BatchNotFoundError as exc:
+        code = cli(standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        code = exc.exit_code
+    except click.Abort:
+        click.echo("aborted", err=True)
+        code = EXIT_USAGE
+    except click.ClickException as exc:
+        exc.show()
+        code = EXIT_USAGE
+    except WaitTimeoutError as exc:
         click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+        code = EXIT_INCOMPLETE
     except KevlayaError as exc:
         click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+        code = EXIT_REDIS if isinstance(exc, RedisUnavailableError) else EXIT_USAGE
+    except redis_exceptions.RedisError as exc:
+        click.echo(f"error: {redis_problem(exc, _CONTEXT.get('redis_url'))}", err=True)
+        code = EXIT_REDIS
+    except ValueError as exc:
+        if "Redis URL" not in str(exc) and "redis" not in str(exc).lower():
+            raise
+        click.echo(f"error: bad Redis URL ({exc}); expected redis://[user:pass@]host:port/db", err=True)
+        code = EXIT_USAGE
+    sys.exit(code or 0)

@@ -8,13 +8,21 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import orjson
 from redis import Redis
 from redis.exceptions import WatchError
 
 from shared import models as known_models
 from shared.conn import connect
 from shared.enqueue import EnqueueSettings, Entry, cancel_queued, enqueue_entries, job_key, queues_for
-from shared.errors import CANCELLED, BatchClosedError, SubmissionError, ValidationError
+from shared.errors import (
+    CANCELLED,
+    BatchClosedError,
+    BatchNotFoundError,
+    SubmissionError,
+    ValidationError,
+    WaitTimeoutError,
+)
 from shared.job import DEFAULT_LIMITS, Job, Limits
 from shared.keys import BATCH_ID_RE, DEFAULT_PREFIX, Keys, followup_id, job_id
 from shared.quarantine import Quarantine
@@ -215,15 +223,39 @@ class Client:
     def wait(
         self, batch: str, *, poll_s: float = 0.5, timeout_s: float | None = None, on_poll: Any = None
     ) -> BatchRecord:
-        """Poll until every item has a final result (or timeout_s passes); returns the last record."""
+        """Poll until every item has a final result; returns the complete record. Raises WaitTimeoutError
+        if timeout_s passes first (the batch goes on; wait again or export what is done)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             record = self.status(batch)
             if on_poll is not None:
                 on_poll(record)
-            if record.complete or (deadline is not None and time.monotonic() >= deadline):
+            if record.complete:
                 return record
+            if deadline is not None and time.monotonic() >= deadline:
+                c = record.counts
+                raise WaitTimeoutError(f"batch {batch}: {c.done}/{c.total} done after {timeout_s} s; still running")
             time.sleep(poll_s)
+
+    def workers_seen(self, within_s: float = 60.0) -> int:
+        """Workers whose heartbeat is younger than within_s."""
+        return int(self.redis.zcount(self.keys.workers(), time.time() - within_s, "+inf"))
+
+    def result(self, job_id_or_batch: str, custom_id: str | None = None) -> dict[str, Any] | None:
+        """One item's final answer (or error), or None while it is pending: by (batch, custom_id), or by the
+        job id `submit` returned."""
+        if custom_id is None:
+            batch, _, _ = job_id_or_batch.rpartition("-")
+            ids = {
+                job_id(batch, c.decode()): c.decode() for c in self.redis.sscan_iter(self.keys.batch_item_set(batch))
+            }
+            if job_id_or_batch not in ids:
+                raise BatchNotFoundError(f"no job {job_id_or_batch!r}")
+            custom_id = ids[job_id_or_batch]
+        else:
+            batch = job_id_or_batch
+        raw = self.redis.hget(self.keys.batch_results(batch), custom_id)
+        return None if raw is None else orjson.loads(raw)
 
     def iter_results(self, batch: str) -> Iterator[dict[str, Any]]:
         """One dict per item in input order: final answer (with its escalation chain) or error."""

@@ -28,6 +28,14 @@ ERROR_TYPES = (
 )
 
 
+# Exit codes of the `kevlaya` command (README, "Exit codes").
+EXIT_OK = 0
+EXIT_USAGE = 1  # bad arguments, invalid input, unknown batch, bad config
+EXIT_ITEMS_FAILED = 2  # the batch completed, some items ended with an error
+EXIT_REDIS = 3  # Redis unreachable, or it refused the credentials
+EXIT_INCOMPLETE = 4  # items still pending (a wait timed out, or results exported early)
+
+
 class KevlayaError(Exception):
     """Base of every error kevlaya raises on purpose."""
 
@@ -83,6 +91,14 @@ class BatchClosedError(KevlayaError):
 
 class WorkerNameTakenError(KevlayaError):
     """A live worker is registered under the --name this one was given."""
+
+
+class WaitTimeoutError(KevlayaError):
+    """A wait for a batch ended at its timeout with items still pending."""
+
+
+class RedisUnavailableError(KevlayaError):
+    """Redis cannot be reached, or refused our credentials or permissions."""
 
 
 class BatchNotFoundError(KevlayaError):

@@ -21,8 +21,9 @@ from typing import Any, Protocol, TypeVar
 import redis.exceptions
 from redis import Redis
 
+from shared.conn import redis_problem
 from shared.enqueue import EnqueueSettings
-from shared.errors import INTERNAL
+from shared.errors import INTERNAL, RedisUnavailableError
 from shared.job import Job
 from shared.keys import Keys
 from worker.config import ModelsConfig
@@ -142,6 +143,8 @@ class BatchWorker:
         while True:
             try:
                 return fn()
+            except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as exc:
+                raise RedisUnavailableError(redis_problem(exc)) from exc  # retrying cannot fix a credential
             except redis.exceptions.ConnectionError as exc:
                 if self._stop.is_set():
                     raise
