@@ -13,7 +13,7 @@ import orjson
 from redis import exceptions as redis_exceptions
 from tqdm import tqdm
 
-from producer.client import Client
+from producer.client import DEFAULT_COMPLETION_WINDOW_S, Client
 from producer.jsonl import parse_lines
 from shared.conn import redis_problem
 from shared.errors import (
@@ -92,6 +92,14 @@ def _client(ctx: click.Context) -> Client:
 @click.option("--wait", is_flag=True, help="Show a progress bar until every item is answered.")
 @click.option("--timeout", "timeout_s", type=float, default=None, help="With --wait: give up after this many seconds.")
 @click.option("--no-escalate", is_flag=True, help="Never escalate Laya answers to Kev in this batch.")
+@click.option(
+    "--expires-in",
+    "expires_in_s",
+    type=float,
+    default=DEFAULT_COMPLETION_WINDOW_S,
+    show_default=True,
+    help="Completion window in seconds: items still queued after it end as `expired` and never run.",
+)
 @click.pass_context
 def submit(
     ctx: click.Context,
@@ -101,6 +109,7 @@ def submit(
     wait: bool,
     timeout_s: float | None,
     no_escalate: bool,
+    expires_in_s: float,
 ) -> None:
     """Validate FILE (JSONL, or - for stdin) completely, then enqueue it. Prints the batch id on stdout."""
     try:
@@ -113,7 +122,11 @@ def submit(
     client = _client(ctx)
     with tqdm(total=len(jobs), desc="enqueue", unit="job", file=sys.stderr, disable=len(jobs) < 5000 or None) as bar:
         handle = client.submit_batch(
-            jobs, batch_id=batch_id, escalate=not no_escalate, progress=lambda n: bar.update(n - bar.n)
+            jobs,
+            batch_id=batch_id,
+            escalate=not no_escalate,
+            progress=lambda n: bar.update(n - bar.n),
+            completion_window_s=expires_in_s,
         )
     click.echo(f"batch {handle.id}: {handle.enqueued} enqueued, {handle.skipped} already present", err=True)
     click.echo(handle.id)
@@ -175,8 +188,9 @@ def status(ctx: click.Context, batch: str | None, as_json: bool, wait: bool, tim
         return
     c = data["counts"]
     click.echo(
-        f"batch {batch}: {c['finished']}/{c['total']} finished, {c['failed']} failed, {c['cancelled']} cancelled, "
-        f"{c['running']} running, {c['queued']} queued, {c['escalated']} escalated"
+        f"batch {batch} [{data['status']}]: {c['finished']}/{c['total']} finished, {c['failed']} failed, "
+        f"{c['cancelled']} cancelled, {c['expired']} expired, {c['running']} running, {c['queued']} queued, "
+        f"{c['escalated']} escalated"
     )
     rate, eta = data["rate_per_s"], data["eta_s"]
     if rate is not None:
@@ -207,6 +221,32 @@ def cancel(ctx: click.Context, batch: str) -> None:
     """Cancel the queued items of BATCH; items already running are allowed to finish."""
     n = _client(ctx).cancel(batch)
     click.echo(f"cancelled {n} queued item(s) of {batch}", err=True)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--limit", default=20, show_default=True, help="How many batches, newest first.")
+@click.pass_context
+def batches(ctx: click.Context, as_json: bool, limit: int) -> None:
+    """List batches, newest first: status, counts and when each was created."""
+    now = time.time()
+    for record in _client(ctx).batches(limit=limit):
+        data = record.to_dict(now)
+        if as_json:
+            click.echo(orjson.dumps(data).decode())
+            continue
+        c = data["counts"]
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created_at))
+        click.echo(f"{record.id}  {data['status']:<11}  {record.counts.done}/{c['total']}  {created}")
+
+
+@cli.command("retry-failed")
+@click.argument("batch")
+@click.pass_context
+def retry_failed(ctx: click.Context, batch: str) -> None:
+    """Run BATCH's failed items again (not cancelled or expired ones)."""
+    n = _client(ctx).retry_failed(batch)
+    click.echo(f"requeued {n} failed item(s) of {batch}", err=True)
 
 
 def main() -> None:

@@ -14,9 +14,18 @@ from redis.exceptions import WatchError
 
 from shared import models as known_models
 from shared.conn import connect
-from shared.enqueue import EnqueueSettings, Entry, cancel_queued, enqueue_entries, job_key, queues_for
+from shared.enqueue import (
+    EnqueueSettings,
+    Entry,
+    cancel_queued,
+    enqueue_entries,
+    job_key,
+    queues_for,
+    stored_jobs,
+)
 from shared.errors import (
     CANCELLED,
+    EXPIRED,
     BatchClosedError,
     BatchNotFoundError,
     SubmissionError,
@@ -39,6 +48,7 @@ from shared.store import (
 )
 
 PIPELINE_CHUNK = 1000
+DEFAULT_COMPLETION_WINDOW_S = 24 * 3600  # items still queued after this end as `expired` (OpenAI's 24 h)
 DEFAULT_RETRIES = 3
 DEFAULT_JOB_TIMEOUT_S = 1800
 
@@ -101,14 +111,16 @@ class Client:
 
     # ---- submit ---------------------------------------------------------------------------
     def submit(self, job: dict[str, Any] | Job, *, model: str | None = None) -> tuple[str, str]:
-        """Submit one job as a batch of one; returns (batch_id, job_id)."""
+        """Submit one job as a batch of one; returns (batch_id, job_id): `result(job_id)` reads its answer."""
         parsed = job if isinstance(job, Job) else self.validate(job, default_model=model)
         handle = self.submit_batch([parsed])
         return handle.id, job_id(handle.id, parsed.custom_id)
 
-    def validate(self, obj: dict[str, Any], *, default_model: str | None = None) -> Job:
+    def validate(self, obj: dict[str, Any], *, default_model: str | None = None, position: int = 1) -> Job:
+        """A job from a dict; one without a custom_id gets `item-<position>` (its place in the submission),
+        so resubmitting the same list into the same batch is idempotent."""
         if isinstance(obj, dict) and "custom_id" not in obj:
-            obj = {**obj, "custom_id": f"job-{secrets.token_hex(6)}"}
+            obj = {**obj, "custom_id": f"item-{position}"}
         return Job.from_dict(obj, limits=self.limits, default_model=default_model)
 
     def submit_batch(
@@ -119,6 +131,7 @@ class Client:
         model: str | None = None,
         escalate: bool = True,
         progress: Any = None,
+        completion_window_s: float = DEFAULT_COMPLETION_WINDOW_S,
     ) -> BatchHandle:
         """Validate every job, then enqueue them. Items already in `batch_id` are skipped, however often and
         however concurrently they are submitted: each chunk claims its items and enqueues them in one
@@ -135,12 +148,13 @@ class Client:
         state = batch_state(self.redis, self.keys, batch)
         if state in ("cancelled", "expired"):
             raise BatchClosedError(f"batch {batch!r} is {state}; submit into a new batch instead")
-        self._write_batch_header(batch, escalate=escalate)
+        self._write_batch_header(batch, escalate=escalate, window_s=completion_window_s)
         enqueued = 0
         for start in range(0, len(parsed), PIPELINE_CHUNK):
             enqueued += self._enqueue_chunk(batch, parsed[start : start + PIPELINE_CHUNK])
             if progress is not None:
                 progress(min(start + PIPELINE_CHUNK, len(parsed)))
+        self.redis.hdel(self.keys.batch(batch), "submitting")  # a submit that died leaves it `validating`
         return BatchHandle(self, batch, enqueued=enqueued, skipped=len(parsed) - enqueued)
 
     def _validate_all(self, jobs: Iterable[Job | dict[str, Any]], model: str | None) -> list[Job]:
@@ -149,7 +163,7 @@ class Client:
         seen: set[str] = set()
         for index, item in enumerate(jobs, start=1):
             try:
-                job = item if isinstance(item, Job) else self.validate(item, default_model=model)
+                job = item if isinstance(item, Job) else self.validate(item, default_model=model, position=index)
             except ValidationError as exc:
                 errors.append(exc.at_line(index))
                 continue
@@ -161,11 +175,13 @@ class Client:
             raise SubmissionError(errors)
         return parsed
 
-    def _write_batch_header(self, batch: str, *, escalate: bool) -> None:
+    def _write_batch_header(self, batch: str, *, escalate: bool, window_s: float) -> None:
         now = time.time()
         key = self.keys.batch(batch)
         with self.redis.pipeline() as pipe:
             pipe.hsetnx(key, "created_at", repr(now))
+            pipe.hsetnx(key, "window_ends_at", repr(now + window_s))  # the first submit opens the window
+            pipe.hset(key, "submitting", "1")
             pipe.hset(key, mapping={"id": batch, "expires_at": repr(now + self.batch_ttl_s)})
             if not escalate:
                 pipe.hset(key, "escalate_off", "1")
@@ -261,6 +277,18 @@ class Client:
         """One dict per item in input order: final answer (with its escalation chain) or error."""
         return iter_export(self.redis, self.keys, batch)
 
+    def batches(self, *, limit: int = 20) -> list[BatchRecord]:
+        """The newest batches first (those whose keys have expired are left out)."""
+        out = []
+        for raw in self.redis.zrevrange(self.keys.batches(), 0, max(limit * 2, limit) - 1):
+            try:
+                out.append(self.status(raw.decode("utf-8", "replace")))
+            except BatchNotFoundError:
+                continue
+            if len(out) >= limit:
+                break
+        return out
+
     def overview(self) -> dict[str, Any]:
         """Queue depths per model and the workers seen in the last minute."""
         now = time.time()
@@ -271,6 +299,45 @@ class Client:
             "quarantine": quarantine_summary(self.redis, self.keys),
         }
 
+    # ---- retry ----------------------------------------------------------------------------
+    def retry_failed(self, batch: str) -> int:
+        """Run the batch's failed items again (errors other than cancelled and expired): each item's error
+        is removed and its job enqueued again in one transaction, so it is never both or neither. Returns
+        how many were requeued; an item whose job RQ no longer holds (expired) is left as it is."""
+        record = self.status(batch)
+        if record.cancel_requested:
+            raise BatchClosedError(f"batch {batch!r} is cancelled; nothing to retry")
+        failed: dict[str, dict[str, Any]] = {}
+        for cid, raw in self.redis.hscan_iter(self.keys.batch_results(batch)):
+            row = orjson.loads(raw)
+            error = row.get("error") or {}
+            if error and error.get("type") not in (CANCELLED, EXPIRED):
+                failed[row["job_id"]] = {**row, "custom_id": cid.decode()}
+        jobs = stored_jobs(self.redis, list(failed))
+        requeued = 0
+        for jid, job in jobs.items():
+            requeued += self._requeue_failed(batch, jid, job, failed[jid])
+        return requeued
+
+    def _requeue_failed(self, batch: str, jid: str, job: Job, row: dict[str, Any]) -> int:
+        results, key = self.keys.batch_results(batch), self.keys.batch(batch)
+        with self.redis.pipeline() as pipe:
+            try:
+                pipe.watch(results)
+                current = pipe.hget(results, row["custom_id"])
+                if current is None or not (orjson.loads(current).get("error")):
+                    return 0
+                pipe.multi()
+                pipe.hdel(results, row["custom_id"])
+                pipe.hincrby(key, "failed", -1)
+                if row.get("escalated_from"):
+                    pipe.hincrby(key, "followups_done", -1)
+                enqueue_entries(pipe, self.queues, [Entry(jid, job)], self.enqueue)
+                pipe.execute()
+                return 1
+            except WatchError:
+                return 0  # a worker wrote meanwhile: look again with another retry
+
     # ---- cancel ---------------------------------------------------------------------------
     def cancel(self, batch: str) -> int:
         """Cancel every still-queued item of the batch; running ones finish. Returns how many were cancelled.
@@ -278,7 +345,7 @@ class Client:
         The flag is set first, so a worker that takes one of these jobs in the meantime cancels it too.
         """
         self.status(batch)  # raises BatchNotFoundError for an unknown batch
-        self.redis.hset(self.keys.batch(batch), "cancel_requested", "1")
+        self.redis.hset(self.keys.batch(batch), mapping={"cancel_requested": "1", "cancelled_at": repr(time.time())})
         custom_ids = [c.decode() for c in self.redis.lrange(self.keys.batch_items(batch), 0, -1)]
         by_id = {job_id(batch, c): c for c in custom_ids}
         base_ids = set(by_id)

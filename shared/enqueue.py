@@ -128,3 +128,18 @@ def cancel_queued(redis: Redis, queue: Queue, job_ids: Sequence[str], *, ttl_s: 
             pipe.expire(job.key, ttl_s)
         pipe.execute(raise_on_error=False)
     return removed
+
+
+def stored_jobs(redis: Redis, job_ids: Sequence[str]) -> dict[str, Job]:
+    """The jobs RQ still holds for these ids (JSON only: the serializer refuses anything else); ids whose
+    hash expired or does not hold a kevlaya job are left out."""
+    out = {}
+    for rq_job in RQJob.fetch_many(list(job_ids), connection=redis, serializer=serializer):
+        if rq_job is None:
+            continue
+        try:
+            args = rq_job.args
+            out[rq_job.id] = Job.from_dict(args[0], allow_system=True)
+        except Exception:
+            continue
+    return out

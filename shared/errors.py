@@ -11,6 +11,7 @@ NON_FINITE_LOGITS = "non_finite_logits"
 OUT_OF_MEMORY = "out_of_memory"
 TIMEOUT = "timeout"
 CANCELLED = "cancelled"
+EXPIRED = "expired"
 WORKER_DIED = "worker_died"
 INTERNAL = "internal"
 
@@ -23,6 +24,7 @@ ERROR_TYPES = (
     OUT_OF_MEMORY,
     TIMEOUT,
     CANCELLED,
+    EXPIRED,
     WORKER_DIED,
     INTERNAL,
 )

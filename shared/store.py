@@ -12,8 +12,9 @@ import orjson
 from redis import Redis
 from redis import exceptions as redis_exceptions
 
-from shared.errors import CANCELLED, BatchNotFoundError
+from shared.errors import CANCELLED, EXPIRED, BatchNotFoundError
 from shared.keys import Keys
+from shared.lifecycle import batch_status
 from shared.result import Result
 
 DEFAULT_BATCH_TTL_S = 7 * 24 * 3600
@@ -23,7 +24,8 @@ _READ_CHUNK = 1000
 # retried or duplicated job can never produce a second final answer; counters move only on that first write.
 # An item that is not in the batch's id set (a forged job, or a batch whose keys expired) is refused (-1):
 # nobody can add answers to a batch that were never asked for.
-# KEYS: results, batch hash, running set, steps, id set. ARGV: custom_id, json, counter, now, job_id, final.
+# KEYS: results, batch hash, running set, steps, id set.
+# ARGV: custom_id, json, counter, now, job_id, final, follow-up ('1': this final answers an escalated item).
 _RECORD_LUA = """
 if redis.call('SISMEMBER', KEYS[5], ARGV[1]) == 0 then
   redis.call('SREM', KEYS[3], ARGV[5])
@@ -37,6 +39,7 @@ if ARGV[6] == '1' then
     redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
     redis.call('HSETNX', KEYS[2], 'first_done_at', ARGV[4])
     redis.call('HSET', KEYS[2], 'last_done_at', ARGV[4])
+    if ARGV[7] == '1' then redis.call('HINCRBY', KEYS[2], 'followups_done', 1) end
   end
 else
   first = redis.call('HSETNX', KEYS[4], ARGV[1], ARGV[2])
@@ -61,10 +64,17 @@ class BatchCounts:
     failed: int
     escalated: int
     cancelled: int
+    expired: int = 0
+    followups_done: int = 0  # escalated items whose final answer exists
 
     @property
     def done(self) -> int:
-        return self.finished + self.failed + self.cancelled
+        return self.finished + self.failed + self.cancelled + self.expired
+
+    @property
+    def awaiting_followups(self) -> int:
+        """Escalated items still waiting for their follow-up's answer."""
+        return max(self.escalated - self.followups_done, 0)
 
     def to_dict(self) -> dict[str, int]:
         return {
@@ -75,6 +85,7 @@ class BatchCounts:
             "failed": self.failed,
             "escalated": self.escalated,
             "cancelled": self.cancelled,
+            "expired": self.expired,
         }
 
 
@@ -88,6 +99,13 @@ class BatchRecord:
     last_done_at: float | None
     cancel_requested: bool
     escalate_off: bool
+    window_ends_at: float | None = None  # the completion window: queued items end as `expired` after it
+    cancelled_at: float | None = None
+    submitting: bool = False
+
+    @property
+    def status(self) -> str:
+        return batch_status(self, time.time())
 
     @property
     def complete(self) -> bool:
@@ -111,9 +129,19 @@ class BatchRecord:
         now = time.time() if now is None else now
         return {
             "batch": self.id,
+            "status": batch_status(self, now),
             "created_at": self.created_at,
+            "in_progress_at": self.first_done_at,
+            "completed_at": self.last_done_at if self.complete else None,
+            "cancelled_at": self.cancelled_at,
+            "window_ends_at": self.window_ends_at,
             "expires_at": self.expires_at,
             "complete": self.complete,
+            "request_counts": {
+                "total": self.counts.total,
+                "completed": self.counts.finished,
+                "failed": self.counts.failed + self.counts.cancelled + self.counts.expired,
+            },
             "cancel_requested": self.cancel_requested,
             "counts": self.counts.to_dict(),
             "rate_per_s": self.rate_per_s(now),
@@ -148,6 +176,7 @@ def record_result(redis: Redis, keys: Keys, result: Result, *, counter: str | No
             repr(time.time()),
             result.job_id,
             "1" if result.final else "0",
+            "1" if result.escalated_from or result.not_escalated else "0",
         ],
     )
     return None if first == -1 else bool(first)
@@ -156,7 +185,7 @@ def record_result(redis: Redis, keys: Keys, result: Result, *, counter: str | No
 def _counter_for(result: Result) -> str:
     if result.error is None:
         return "finished"
-    return "cancelled" if result.error.type == CANCELLED else "failed"
+    return result.error.type if result.error.type in (CANCELLED, EXPIRED) else "failed"
 
 
 def read_batch(redis: Redis, keys: Keys, batch: str) -> BatchRecord:
@@ -170,37 +199,71 @@ def read_batch(redis: Redis, keys: Keys, batch: str) -> BatchRecord:
     if not raw:
         raise BatchNotFoundError(f"no batch {batch!r} (never submitted, or expired)")
     h = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()}
-    finished, failed, cancelled = (int(h.get(f, 0)) for f in ("finished", "failed", "cancelled"))
-    running = min(int(running), max(total - finished - failed - cancelled, 0))
+    finished, failed, cancelled, expired = (_num(h, f) for f in ("finished", "failed", "cancelled", "expired"))
+    done = finished + failed + cancelled + expired
+    running = min(int(running), max(total - done, 0))
     counts = BatchCounts(
         total=total,
-        queued=max(total - finished - failed - cancelled - running, 0),
+        queued=max(total - done - running, 0),
         running=running,
         finished=finished,
         failed=failed,
-        escalated=int(h.get("escalated", 0)),
+        escalated=_num(h, "escalated"),
         cancelled=cancelled,
+        expired=expired,
+        followups_done=_num(h, "followups_done"),
     )
     return BatchRecord(
         id=batch,
-        created_at=float(h.get("created_at", 0.0)),
-        expires_at=float(h.get("expires_at", 0.0)),
+        created_at=_float(h, "created_at") or 0.0,
+        expires_at=_float(h, "expires_at") or 0.0,
         counts=counts,
-        first_done_at=float(h["first_done_at"]) if "first_done_at" in h else None,
-        last_done_at=float(h["last_done_at"]) if "last_done_at" in h else None,
+        first_done_at=_float(h, "first_done_at"),
+        last_done_at=_float(h, "last_done_at"),
         cancel_requested=h.get("cancel_requested") == "1",
         escalate_off=h.get("escalate_off") == "1",
+        window_ends_at=_float(h, "window_ends_at"),
+        cancelled_at=_float(h, "cancelled_at"),
+        submitting=h.get("submitting") == "1",
     )
 
 
-def batch_flags(redis: Redis, keys: Keys, batch: str) -> tuple[bool, bool]:
-    """(cancel_requested, escalate_off) for a batch, read in one round trip; both False if it is gone
-    (or is not a hash: its results are then refused when written)."""
+def _num(h: dict[str, str], name: str) -> int:
     try:
-        cancel, no_escalate = redis.hmget(keys.batch(batch), ["cancel_requested", "escalate_off"])
+        return int(h.get(name, 0))
+    except ValueError:
+        return 0
+
+
+def _float(h: dict[str, str], name: str) -> float | None:
+    try:
+        return float(h[name]) if name in h else None
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class BatchFlags:
+    cancelled: bool = False
+    escalate_off: bool = False
+    expired: bool = False  # its completion window has ended
+
+
+def batch_flags(redis: Redis, keys: Keys, batch: str, *, now: float | None = None) -> BatchFlags:
+    """What a worker must know of a batch before it runs its items, read in one round trip; all False if
+    it is gone (or is not a hash: its results are then refused when written)."""
+    try:
+        cancel, no_escalate, window = redis.hmget(
+            keys.batch(batch), ["cancel_requested", "escalate_off", "window_ends_at"]
+        )
     except redis_exceptions.ResponseError:
-        return False, False
-    return cancel == b"1", no_escalate == b"1"
+        return BatchFlags()
+    try:
+        ends = float(window) if window else None
+    except ValueError:
+        ends = None
+    now = time.time() if now is None else now
+    return BatchFlags(cancel == b"1", no_escalate == b"1", ends is not None and now > ends)
 
 
 def promote_step(redis: Redis, keys: Keys, batch: str, custom_id: str) -> bool:

@@ -26,6 +26,7 @@ from shared.enqueue import EnqueueSettings
 from shared.errors import INTERNAL, RedisUnavailableError
 from shared.job import Job
 from shared.keys import Keys
+from shared.store import BatchFlags
 from worker.config import ModelsConfig
 from worker.faults import maybe_crash
 from worker.followups import prompt_chars
@@ -34,7 +35,7 @@ from worker.policy import QueueState, choose_model
 from worker.recovery import RecoveryPass
 from worker.rqcompat import RQBridge
 from worker.settings import WorkerSettings
-from worker.settle import Flags, Row, Settler, dead_letter, outputs_tokens
+from worker.settle import Row, Settler, dead_letter, outputs_tokens
 from worker.stats import PUBLISH_EVERY_BATCHES, BatchFacts, WorkerStats
 from worker.versions import model_versions
 
@@ -256,7 +257,7 @@ class BatchWorker:
                     r.raw,
                     r.job,
                     self.settler.to_result(
-                        r, out, engine_s=engine_s, batch_size=n, flags=triage.flags.get(r.job.batch or "", Flags())
+                        r, out, engine_s=engine_s, batch_size=n, flags=triage.flags.get(r.job.batch or "", BatchFlags())
                     ),
                 )
                 for r, out in zip(triage.runnable, outputs, strict=True)

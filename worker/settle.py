@@ -17,11 +17,11 @@ import redis.exceptions
 from redis import Redis
 
 from shared.enqueue import EnqueueSettings, Entry, enqueue_absent, queues_for
-from shared.errors import BAD_PAYLOAD, CANCELLED, WORKER_DIED, ValidationError
+from shared.errors import BAD_PAYLOAD, CANCELLED, EXPIRED, WORKER_DIED, ValidationError
 from shared.job import Job
 from shared.keys import Keys
 from shared.result import Result
-from shared.store import batch_flags, promote_step, record_result
+from shared.store import BatchFlags, batch_flags, promote_step, record_result
 from worker.config import ModelsConfig
 from worker.followups import escalates, follow_up
 from worker.outputs import RowOutput
@@ -41,16 +41,10 @@ class Row:
 
 
 @dataclass(frozen=True)
-class Flags:
-    cancelled: bool = False
-    escalate_off: bool = False
-
-
-@dataclass(frozen=True)
 class Triage:
     settled: list[Row]  # refused, already answered, cancelled: written without running
     runnable: list[Row]
-    flags: dict[str, Flags]
+    flags: dict[str, BatchFlags]
 
 
 @dataclass(frozen=True)
@@ -92,8 +86,11 @@ class Settler:
                 settled.append(row)
             elif job is None or row.raw.id in done:
                 settled.append(replace(row, job=None))  # answered before a crash: bookkeeping only
-            elif flags.get(job.batch or "", Flags()).cancelled:
-                settled.append(self._cancelled(row, job))
+            elif flags.get(job.batch or "", BatchFlags()).cancelled:
+                settled.append(self._closed(row, job, CANCELLED, "batch cancelled before this item ran"))
+            elif flags.get(job.batch or "", BatchFlags()).expired:
+                message = "the batch's completion window ended before this item ran"
+                settled.append(self._closed(row, job, EXPIRED, message))
             else:
                 runnable.append(row)
         self._mark_running(runnable)
@@ -140,12 +137,8 @@ class Settler:
             found = pipe.execute(raise_on_error=False)  # a wrong-typed batch key reads as "not done"
         return {row.raw.id for row, f in zip(rows, found, strict=True) if isinstance(f, int) and f}
 
-    def _flags(self, batches: set[str]) -> dict[str, Flags]:
-        out = {}
-        for b in batches:
-            cancelled, off = batch_flags(self.redis, self.keys, b)
-            out[b] = Flags(cancelled=cancelled, escalate_off=off)
-        return out
+    def _flags(self, batches: set[str]) -> dict[str, BatchFlags]:
+        return {b: batch_flags(self.redis, self.keys, b) for b in batches}
 
     def _mark_running(self, rows: Sequence[Row]) -> None:
         """Add runnable jobs to their batch's running set (writing the result removes them), so `kevlaya
@@ -157,12 +150,12 @@ class Settler:
                     pipe.expire(self.keys.batch_running(row.job.batch), self.enqueue.ttl_s)
             pipe.execute(raise_on_error=False)
 
-    def _cancelled(self, row: Row, job: Job) -> Row:
-        """A cancelled batch's job. A follow-up whose parent's answer exists ends the item with that answer
-        (computed work is kept); anything else ends as `cancelled`."""
+    def _closed(self, row: Row, job: Job, error_type: str, message: str) -> Row:
+        """A job of a cancelled or expired batch. A follow-up whose parent's answer exists ends the item with
+        that answer (computed work is kept); anything else ends with `error_type`."""
         if job.parent is not None and job.batch and promote_step(self.redis, self.keys, job.batch, job.custom_id):
             return replace(row, job=None)
-        return replace(row, job=job, result=self.failure(row, job, CANCELLED, "batch cancelled before this item ran"))
+        return replace(row, job=job, result=self.failure(row, job, error_type, message))
 
     # ---- results ------------------------------------------------------------------------------
     def failure_from(self, row: Row, error_type: str, message: str) -> Result:
@@ -190,7 +183,7 @@ class Settler:
             meta=job.meta,
         )
 
-    def to_result(self, row: Row, out: RowOutput, *, engine_s: float, batch_size: int, flags: Flags) -> Result:
+    def to_result(self, row: Row, out: RowOutput, *, engine_s: float, batch_size: int, flags: BatchFlags) -> Result:
         job = row.job
         assert job is not None
         timing: dict[str, float] = {"engine_s": round(engine_s, 4), "batch_size": batch_size}
