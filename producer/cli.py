@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from producer.client import DEFAULT_COMPLETION_WINDOW_S, Client
 from producer.jsonl import parse_lines
+from producer.openai_format import CHAT_URL, COMPLETIONS_URL, parse_model_map, to_openai
 from shared.conn import redis_problem
 from shared.errors import (
     EXIT_INCOMPLETE,
@@ -92,6 +93,7 @@ def _client(ctx: click.Context) -> Client:
 @click.option("--wait", is_flag=True, help="Show a progress bar until every item is answered.")
 @click.option("--timeout", "timeout_s", type=float, default=None, help="With --wait: give up after this many seconds.")
 @click.option("--no-escalate", is_flag=True, help="Never escalate Laya answers to Kev in this batch.")
+@click.option("--model-map", default=None, help="OpenAI model names to kevlaya models: gpt-4o-mini=laya,gpt-4o=kev.")
 @click.option(
     "--expires-in",
     "expires_in_s",
@@ -109,11 +111,17 @@ def submit(
     wait: bool,
     timeout_s: float | None,
     no_escalate: bool,
+    model_map: str | None,
     expires_in_s: float,
 ) -> None:
     """Validate FILE (JSONL, or - for stdin) completely, then enqueue it. Prints the batch id on stdout."""
     try:
-        jobs = parse_lines(file, default_model=model, escalate=False if no_escalate else None)
+        jobs = parse_lines(
+            file,
+            default_model=model,
+            escalate=False if no_escalate else None,
+            model_map=parse_model_map(model_map),
+        )
     except SubmissionError as exc:
         for err in exc.errors:
             click.echo(str(err), err=True)
@@ -202,13 +210,31 @@ def status(ctx: click.Context, batch: str | None, as_json: bool, wait: bool, tim
 @cli.command()
 @click.argument("batch")
 @click.option("-o", "--output", type=click.File("wb"), default="-", help="Write JSONL here (default stdout).")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["kevlaya", "openai", "openai-completions"]),
+    default="kevlaya",
+    show_default=True,
+    help="kevlaya: one result per item; openai: OpenAI Batch output lines (chat completions; "
+    "openai-completions: /v1/completions bodies), errors to --errors.",
+)
+@click.option(
+    "--errors", "errors_file", type=click.File("wb"), default=None, help="With --format openai*: error lines."
+)
 @click.pass_context
-def results(ctx: click.Context, batch: str, output: Any) -> None:
+def results(ctx: click.Context, batch: str, output: Any, fmt: str, errors_file: Any) -> None:
     """Export one JSON line per item of BATCH, in input order: its final answer or its error."""
     pending = 0
+    url = COMPLETIONS_URL if fmt == "openai-completions" else CHAT_URL
     for row in _client(ctx).iter_results(batch):
         pending += bool(row.get("pending"))
-        output.write(orjson.dumps(row) + b"\n")
+        if fmt == "kevlaya":
+            output.write(orjson.dumps(row) + b"\n")
+            continue
+        line, is_error = to_openai(row, url=url)
+        target = errors_file if is_error and errors_file is not None else output
+        target.write(orjson.dumps(line) + b"\n")
     if pending:
         click.echo(f"note: {pending} item(s) still pending; exported what is done", err=True)
         sys.exit(EXIT_INCOMPLETE)

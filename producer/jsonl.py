@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
-from typing import Any
 
 import orjson
 
+from producer.openai_format import from_openai, is_openai_line
 from shared.errors import SubmissionError, ValidationError
 from shared.job import DEFAULT_LIMITS, Job, Limits
-
-_OPENAI_ENVELOPE = frozenset({"custom_id", "method", "url", "body"})
 
 
 def parse_lines(
@@ -20,6 +18,7 @@ def parse_lines(
     default_model: str | None = None,
     limits: Limits = DEFAULT_LIMITS,
     escalate: bool | None = None,
+    model_map: Mapping[str, str] | None = None,
 ) -> list[Job]:
     """Validate every line first; raise SubmissionError listing all bad lines (so nothing is enqueued).
 
@@ -33,7 +32,7 @@ def parse_lines(
         if not raw.strip():
             continue
         try:
-            job = parse_line(raw, number, default_model=default_model, limits=limits)
+            job = parse_line(raw, number, default_model=default_model, limits=limits, model_map=model_map)
         except ValidationError as exc:
             errors.append(exc.at_line(number))
             continue
@@ -55,7 +54,14 @@ def parse_lines(
     return jobs
 
 
-def parse_line(raw: bytes, number: int, *, default_model: str | None, limits: Limits) -> Job:
+def parse_line(
+    raw: bytes,
+    number: int,
+    *,
+    default_model: str | None,
+    limits: Limits,
+    model_map: Mapping[str, str] | None = None,
+) -> Job:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -64,44 +70,8 @@ def parse_line(raw: bytes, number: int, *, default_model: str | None, limits: Li
         obj = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
         raise ValidationError(f"invalid JSON: {exc}") from exc
-    if isinstance(obj, dict) and "body" in obj and set(obj) <= _OPENAI_ENVELOPE:
-        obj = from_openai(obj)
+    if is_openai_line(obj):
+        obj = from_openai(obj, model_map=model_map)
     if isinstance(obj, dict) and "custom_id" not in obj:
         obj = {**obj, "custom_id": f"line-{number}"}
     return Job.from_dict(obj, limits=limits, default_model=default_model)
-
-
-def from_openai(line: dict[str, Any]) -> dict[str, Any]:
-    """Map an OpenAI Batch line (chat or completions body) onto the kevlaya job format."""
-    body = line.get("body")
-    if not isinstance(body, dict):
-        raise ValidationError("'body' must be an object", field="body")
-    job: dict[str, Any] = {"custom_id": line.get("custom_id")}
-    if "model" in body:
-        job["model"] = body["model"]
-    if "messages" in body:
-        job["prompt"] = _messages_to_prompt(body["messages"])
-    elif "prompt" in body:
-        job["prompt"] = body["prompt"]
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None:
-        job["max_new_tokens"] = limit
-    for key in ("temperature", "seed", "choices", "escalate", "meta"):
-        if key in body:
-            job[key] = body[key]
-    if "metadata" in body:
-        job["meta"] = body["metadata"]
-    return job
-
-
-def _messages_to_prompt(messages: Any) -> str:
-    if not isinstance(messages, list) or not messages:
-        raise ValidationError("'body.messages' must be a non-empty list", field="body.messages")
-    parts = []
-    for msg in messages:
-        content = msg.get("content") if isinstance(msg, dict) else None
-        if not isinstance(content, str):
-            raise ValidationError("every message needs a string 'content'", field="body.messages")
-        parts.append(content)
-    # Only the user's words reach the model; the model's own template supplies system/role framing.
-    return "\n\n".join(parts)

@@ -1,0 +1,184 @@
+"""OpenAI Batch lines both ways: input lines (`{"custom_id", "method", "url", "body"}`) become kevlaya jobs,
+and results become OpenAI batch output and error lines.
+
+Every body field is honoured or refused with a message naming it (the caller adds the line number); a
+`model` name maps to kev/laya through a model map (`--model-map gpt-4o-mini=laya`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from shared.errors import ValidationError
+
+ENVELOPE = frozenset({"custom_id", "method", "url", "body"})
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+
+# Body fields taken as they are, or mapped; anything else is refused.
+_DIRECT = {"temperature": "temperature", "seed": "seed", "metadata": "meta"}
+_LIMITS = ("max_completion_tokens", "max_tokens")
+# Fields whose neutral value changes nothing, so accepting it is honest; any other value is refused.
+_NEUTRAL = {"n": (1,), "stream": (False,), "top_p": (1, 1.0), "logprobs": (False, None), "stop": (None, [], "")}
+# kevlaya's own job fields may ride along in the body (choices, escalate, truncate).
+_KEVLAYA = ("choices", "escalate", "truncate")
+
+
+def is_openai_line(obj: Any) -> bool:
+    return isinstance(obj, dict) and "body" in obj and set(obj) <= ENVELOPE
+
+
+def parse_model_map(text: str | None) -> dict[str, str]:
+    """`gpt-4o-mini=laya,gpt-4o=kev` -> {"gpt-4o-mini": "laya", "gpt-4o": "kev"}."""
+    out: dict[str, str] = {}
+    for pair in (text or "").split(","):
+        if not pair.strip():
+            continue
+        name, sep, model = pair.partition("=")
+        if not sep or not name.strip() or not model.strip():
+            raise ValidationError(f"model map entry {pair!r} is not NAME=MODEL", field="model")
+        out[name.strip()] = model.strip()
+    return out
+
+
+def from_openai(line: dict[str, Any], *, model_map: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A kevlaya job dict from an OpenAI Batch line; ValidationError naming the field for anything it
+    cannot honour."""
+    method, url = line.get("method", "POST"), line.get("url", CHAT_URL)
+    if method != "POST":
+        raise ValidationError(f"'method' must be POST, got {method!r}", field="method")
+    if url not in (CHAT_URL, COMPLETIONS_URL):
+        raise ValidationError(f"'url' must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}", field="url")
+    body = line.get("body")
+    if not isinstance(body, dict):
+        raise ValidationError("'body' must be an object", field="body")
+    job: dict[str, Any] = {"custom_id": line.get("custom_id")}
+    if "model" in body:
+        name = body["model"]
+        job["model"] = (model_map or {}).get(name, name) if isinstance(name, str) else name
+    if url == CHAT_URL:
+        job |= _from_messages(body.get("messages"))
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ValidationError("'body.prompt' must be a string (one prompt per line)", field="body.prompt")
+        job["prompt"] = prompt
+    for key, value in body.items():
+        if key in ("model", "messages", "prompt"):
+            continue
+        if key in _LIMITS:
+            job["max_new_tokens"] = value
+        elif key in _DIRECT:
+            job[_DIRECT[key]] = value
+        elif key in _KEVLAYA:
+            job[key] = value
+        elif (key in _NEUTRAL and value in _NEUTRAL[key]) or (
+            key == "response_format" and value in ({"type": "text"}, None)
+        ):
+            continue
+        else:
+            raise ValidationError(
+                f"'body.{key}' = {value!r} is not supported by kevlaya (refused rather than ignored)",
+                field=f"body.{key}",
+            )
+    return job
+
+
+def _from_messages(messages: Any) -> dict[str, Any]:
+    """System (or developer) messages become the system turn; user messages the prompt. A conversation with
+    assistant turns is refused: each line is one decision."""
+    if not isinstance(messages, list) or not messages:
+        raise ValidationError("'body.messages' must be a non-empty list", field="body.messages")
+    system: list[str] = []
+    user: list[str] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise ValidationError(f"'body.messages[{i}]' must be an object", field="body.messages")
+        role = msg.get("role")
+        text = _content(msg.get("content"), i)
+        if role in ("system", "developer"):
+            system.append(text)
+        elif role == "user":
+            user.append(text)
+        else:
+            raise ValidationError(
+                f"'body.messages[{i}].role' = {role!r}: only system, developer and user messages are supported",
+                field="body.messages",
+            )
+    if not user:
+        raise ValidationError("'body.messages' has no user message", field="body.messages")
+    prompt = "\n\n".join(user)
+    if not system:
+        return {"prompt": prompt}
+    # The system message is the model's system turn: the model's config must allow it (job_may_set_system).
+    return {"input": {"system": "\n\n".join(system), "prompt": prompt}}
+
+
+def _content(content: Any, i: int) -> str:
+    """A message's text: a string, or an array of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValidationError(
+                    f"'body.messages[{i}].content' has a {kind!r} part; only text parts are supported",
+                    field="body.messages",
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValidationError(f"'body.messages[{i}].content' must be a string or text parts", field="body.messages")
+
+
+# ---- output ------------------------------------------------------------------------------------
+def to_openai(row: dict[str, Any], *, url: str = CHAT_URL) -> tuple[dict[str, Any], bool]:
+    """(an OpenAI batch output line for one exported row, whether it is an error line)."""
+    job_id = row.get("job_id") or row["custom_id"]
+    base = {"id": f"batch_req_{job_id}", "custom_id": row["custom_id"]}
+    error = row.get("error")
+    if row.get("pending"):
+        return base | {"response": None, "error": {"code": "pending", "message": "not answered yet"}}, True
+    if error:
+        return base | {"response": None, "error": {"code": error["type"], "message": error["message"]}}, True
+    usage = row.get("usage") or {}
+    prompt_tokens, completion_tokens = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    text = row.get("text")
+    if text is None and row.get("decision") is not None:
+        text = row["decision"]  # a choices job: the chosen label
+    created = int(time.time())
+    finish = "length" if row.get("truncated") else "stop"
+    if url == COMPLETIONS_URL:
+        body: dict[str, Any] = {
+            "id": f"cmpl-{job_id}",
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}],
+        }
+    else:
+        body = {
+            "id": f"chatcmpl-{job_id}",
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text or ""},
+                    "finish_reason": finish,
+                    "logprobs": None,
+                }
+            ],
+        }
+    body |= {
+        "created": created,
+        "model": row.get("model", ""),
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+        "system_fingerprint": "-".join(str(v) for v in (row.get("model_version") or {}).values()) or None,
+    }
+    response = {"status_code": 200, "request_id": job_id, "body": body}
+    return base | {"response": response, "error": None}, False

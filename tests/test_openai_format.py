@@ -1,0 +1,117 @@
+"""OpenAI Batch lines in and out: every body field honoured or refused by line, output the openai types parse."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+from click.testing import CliRunner
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+from redis import Redis
+
+from producer.cli import cli
+from producer.client import Client
+from producer.jsonl import parse_lines
+from shared.errors import SubmissionError
+from tests.fakes import FAKE_CONFIG, FakeEngine
+from worker.loop import BatchWorker
+from worker.settings import WorkerSettings
+
+
+def line(body: dict, custom_id: str = "r1", url: str = "/v1/chat/completions") -> bytes:
+    return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body}) + b"\n"
+
+
+def one(body: dict, **kw) -> object:
+    (job,) = parse_lines([line(body)], **kw)
+    return job
+
+
+def test_system_message_is_the_system_turn_and_text_parts_join() -> None:
+    job = one(
+        {
+            "model": "laya",
+            "messages": [
+                {"role": "system", "content": "Be strict."},
+                {"role": "user", "content": [{"type": "text", "text": "Approve "}, {"type": "text", "text": "it?"}]},
+            ],
+            "max_completion_tokens": 9,
+            "temperature": 0.5,
+            "seed": 3,
+            "metadata": {"k": "v"},
+            "n": 1,
+            "top_p": 1,
+            "response_format": {"type": "text"},
+        }
+    )
+    assert job.input == {"system": "Be strict.", "prompt": "Approve it?"} and job.prompt is None
+    assert (job.max_new_tokens, job.temperature, job.seed, job.meta) == (9, 0.5, 3, {"k": "v"})
+
+
+def test_model_names_map_through_the_model_map() -> None:
+    job = one(
+        {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]}, model_map={"gpt-4o-mini": "laya"}
+    )
+    assert job.model == "laya"
+    with pytest.raises(SubmissionError) as info:
+        one({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]})
+    assert "unknown model 'gpt-4o-mini'" in str(info.value.errors[0])
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"n": 2}, "'body.n' = 2"),
+        ({"stop": ["\n"]}, "'body.stop'"),
+        ({"logprobs": True}, "'body.logprobs'"),
+        ({"top_p": 0.5}, "'body.top_p'"),
+        ({"response_format": {"type": "json_object"}}, "'body.response_format'"),
+        ({"tools": []}, "'body.tools'"),
+        (
+            {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]},
+            "role' = 'assistant'",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "'image_url' part"),
+    ],
+)
+def test_unsupported_fields_are_refused_with_the_line(body: dict, fragment: str) -> None:
+    full = {"model": "laya", "messages": [{"role": "user", "content": "x"}]} | body
+    with pytest.raises(SubmissionError) as info:
+        parse_lines([b"\n", line(full)])
+    (err,) = info.value.errors
+    assert str(err).startswith("line 2: ") and fragment in str(err)
+
+
+def test_output_lines_parse_with_the_openai_types(client: Client, redis: Redis, redis_url: str, tmp_path: Path) -> None:
+    inp = b"".join(
+        [
+            line({"model": "laya", "messages": [{"role": "user", "content": "ok"}]}, "good"),
+            line({"model": "laya", "messages": [{"role": "user", "content": "POISON? no: fails"}]}, "bad"),
+        ]
+    )
+    runner = CliRunner()
+    batch = runner.invoke(cli, ["--redis-url", redis_url, "submit", "-"], input=inp).stdout.strip()
+
+    class FailsBad(FakeEngine):
+        def run(self, jobs, *, time_limit_s=None):
+            from worker.outputs import RowOutput
+
+            return [RowOutput.failed("internal", "boom") if j.custom_id == "bad" else self._answer(j) for j in jobs]
+
+    BatchWorker(redis, FailsBad(), FAKE_CONFIG, WorkerSettings(burst=True)).work()
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    args = ["--redis-url", redis_url, "results", batch, "--format", "openai", "-o", str(out), "--errors", str(err)]
+    assert runner.invoke(cli, args).exit_code == 0
+    (good,) = [orjson.loads(x) for x in out.read_bytes().splitlines()]
+    (bad,) = [orjson.loads(x) for x in err.read_bytes().splitlines()]
+    assert good["custom_id"] == "good" and good["error"] is None and good["response"]["status_code"] == 200
+    completion = ChatCompletion.model_validate(good["response"]["body"])
+    assert completion.choices[0].message.content == "answer to good"
+    assert completion.usage is not None and completion.usage.total_tokens == 5
+    assert bad["custom_id"] == "bad" and bad["response"] is None and bad["error"]["code"] == "internal"
+    args[5] = "openai-completions"
+    assert runner.invoke(cli, args).exit_code == 0
+    (good,) = [orjson.loads(x) for x in out.read_bytes().splitlines()]
+    assert Completion.model_validate(good["response"]["body"]).choices[0].text == "answer to good"
