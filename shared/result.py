@@ -37,6 +37,7 @@ class Result:
     confidence: float | None = None
     choices: dict[str, float] | None = None
     usage: dict[str, int] = field(default_factory=dict)
+    max_new_tokens: int | None = None  # the generation limit that applied (a follow-up: its own model's)
     escalated_to: str | None = None
     escalated_from: str | None = None
     final: bool = True

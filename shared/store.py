@@ -192,10 +192,20 @@ def read_batch(redis: Redis, keys: Keys, batch: str) -> BatchRecord:
     """The batch's record; its total is the size of its item set, so an item submitted twice (concurrently,
     or again after a partial failure) counts once."""
     with redis.pipeline(transaction=False) as pipe:
-        pipe.hgetall(keys.batch(batch))
-        pipe.scard(keys.batch_running(batch))
-        pipe.scard(keys.batch_item_set(batch))
+        queue_record_reads(pipe, keys, batch)
         raw, running, total = pipe.execute()
+    return batch_record(batch, raw, running, total)
+
+
+def queue_record_reads(pipe: Any, keys: Keys, batch: str) -> None:
+    """The three reads a batch record is built from, queued on a (sync or asyncio) pipeline."""
+    pipe.hgetall(keys.batch(batch))
+    pipe.scard(keys.batch_running(batch))
+    pipe.scard(keys.batch_item_set(batch))
+
+
+def batch_record(batch: str, raw: dict[bytes, bytes], running: int, total: int) -> BatchRecord:
+    """A batch's record from what `queue_record_reads` read."""
     if not raw:
         raise BatchNotFoundError(f"no batch {batch!r} (never submitted, or expired)")
     h = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()}

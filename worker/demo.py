@@ -1,6 +1,6 @@
 """`kevlaya demo`: the main job end to end on embedded defaults.
 
-Redis (the one at $REDIS_URL if it answers, else a private redis-server), the demo models (built once,
+Redis (the one named by $REDIS_URL, else a private redis-server), the demo models (built once,
 cached under .kevlaya/demo), ~1,000 bundled decisions submitted as one batch, the batch worker draining
 it with a progress bar, a summary, and the results JSONL.
 """
@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from producer.client import Client
 from producer.jsonl import parse_lines
+from shared.conn import redacted
 from shared.conn import redis_url as resolve_url
 from worker.config import load_config
 from worker.demo_models import build_demo_models
@@ -39,12 +40,14 @@ def prepare_models(out: Path) -> Path:
 
 @contextlib.contextmanager
 def demo_redis(url: str | None) -> Iterator[str]:
-    """The configured Redis if it answers; otherwise a private redis-server for the demo's lifetime."""
-    url = resolve_url(url)
-    if _answers(url):
+    """The Redis named by --redis-url or REDIS_URL (it must answer); otherwise a private redis-server for the
+    demo's lifetime, so the demo never writes into a Redis nobody named."""
+    if url:
+        if not _answers(resolve_url(url)):
+            raise click.ClickException(f"no Redis answers at {redacted(url)}; unset REDIS_URL to use a private one")
         yield url
         return
-    click.echo(f"no Redis at {url}; starting an embedded redis-server", err=True)
+    click.echo("starting a private redis-server for the demo (set REDIS_URL to use yours)", err=True)
     with EmbeddedRedis() as server:
         yield server.url
 

@@ -110,6 +110,14 @@ class BatchWorker:
         self._wait_for_redis(lambda: rq_worker.heartbeat(ttl))
         beat = threading.Thread(target=self._heartbeat_loop, args=(rq_worker,), daemon=True, name="heartbeat")
         beat.start()
+        for name, spec in self.config.models.items():
+            log.info(
+                "model %s: base %s, adapter %s, version %s",
+                name,
+                self.config.bases[spec.base].path,
+                spec.adapter or "(none: the base itself)",
+                self.settler.versions.get(name),
+            )
         log.info("worker %s started (burst=%s)", self.name, self.settings.burst)
         try:
             while not self._stop.is_set():

@@ -201,6 +201,7 @@ class Settler:
             usage={"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens}
             if out.error is None
             else {},
+            max_new_tokens=self._limit(job),
             escalated_from=job.parent.job_id if job.parent else None,
             timing=timing,
             model_version=dict(self.versions.get(job.model, {})),
@@ -211,6 +212,13 @@ class Settler:
         if target is None:
             return result
         return replace(result, final=False, escalated_to=follow_up(job, result, target).job_id)
+
+    def _limit(self, job: Job) -> int | None:
+        """The new-token limit the engine applied: the job's, capped by its model's (None for choices)."""
+        if job.choices:
+            return None
+        own = self.config.models[job.model].max_new_tokens
+        return min(job.max_new_tokens, own) if job.max_new_tokens else own
 
     # ---- writing ------------------------------------------------------------------------------
     def write(self, rows: Sequence[Row], *, ttl_s: int) -> Written:

@@ -1,0 +1,72 @@
+"""An asyncio client for services that enqueue from async code.
+
+Reads and waits use `redis.asyncio` and never block the event loop. Submitting, cancelling and retrying run
+the synchronous client's transactions in a worker thread: RQ's enqueue API, which they are built on, is
+synchronous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+from redis import asyncio as aioredis
+
+from producer.client import BatchHandle, Client
+from shared.conn import check_url, redis_url
+from shared.errors import WaitTimeoutError
+from shared.job import Job
+from shared.keys import DEFAULT_PREFIX, Keys
+from shared.store import BatchRecord, batch_record, queue_record_reads
+
+
+class AsyncClient:
+    """`AsyncClient(url=...)`; the same calls as Client, awaited."""
+
+    def __init__(self, *, url: str | None = None, prefix: str = DEFAULT_PREFIX, **client_kw: Any) -> None:
+        url = check_url(redis_url(url))
+        self.sync = Client(redis_url=url, prefix=prefix, **client_kw)
+        self.redis = aioredis.from_url(url, socket_connect_timeout=5.0)
+        self.keys = Keys(prefix)
+
+    async def submit(self, job: dict[str, Any] | Job, *, model: str | None = None) -> tuple[str, str]:
+        return await asyncio.to_thread(self.sync.submit, job, model=model)
+
+    async def submit_batch(self, jobs: Iterable[Job | dict[str, Any]], **kw: Any) -> BatchHandle:
+        return await asyncio.to_thread(self.sync.submit_batch, list(jobs), **kw)
+
+    async def cancel(self, batch: str) -> int:
+        return await asyncio.to_thread(self.sync.cancel, batch)
+
+    async def retry_failed(self, batch: str) -> int:
+        return await asyncio.to_thread(self.sync.retry_failed, batch)
+
+    async def status(self, batch: str) -> BatchRecord:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            queue_record_reads(pipe, self.keys, batch)
+            raw, running, total = await pipe.execute()
+        return batch_record(batch, raw, running, total)
+
+    async def result(self, batch: str, custom_id: str) -> dict[str, Any] | None:
+        """One item's final answer (or error), or None while it is pending."""
+        raw = await self.redis.hget(self.keys.batch_results(batch), custom_id)
+        return None if raw is None else orjson.loads(raw)
+
+    async def wait(self, batch: str, *, poll_s: float = 0.5, timeout_s: float | None = None) -> BatchRecord:
+        """Until every item has a final result; WaitTimeoutError if timeout_s passes first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            record = await self.status(batch)
+            if record.complete:
+                return record
+            if deadline is not None and time.monotonic() >= deadline:
+                c = record.counts
+                raise WaitTimeoutError(f"batch {batch}: {c.done}/{c.total} done after {timeout_s} s; still running")
+            await asyncio.sleep(poll_s)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+        self.sync.redis.close()
