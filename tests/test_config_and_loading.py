@@ -32,17 +32,32 @@ def test_missing_adapter_is_refused(tiny_models: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
-        ('[base]\npath = "b"\nquantization = "int3"\n', "quantization must be one of"),
-        ('[base]\npath = "b"\ncompute_dtype = "fp8"\n', "compute_dtype must be one of"),
-        ('[base]\npath = "b"\n[models.kev]\nmax_new_token = 5\n', "unknown key(s) ['max_new_token']"),
+        (
+            '[base]\npath = "b"\nquantization = "int3"\n',
+            "quantization = 'int3': input should be 'nf4', 'fp4' or 'none'",
+        ),
+        ('[base]\npath = "b"\ncompute_dtype = "fp8"\n', "compute_dtype = 'fp8'"),
+        (
+            '[base]\npath = "b"\n[models.kev]\nmax_new_token = 5\n',
+            "[models.kev] unknown key 'max_new_token' (did you mean 'max_new_tokens'?)",
+        ),
         ('[base]\npath = "b"\n[models.kev]\nbase = "other"\n', "names base 'other'"),
         ('[base]\npath = "b"\n[models.kev.escalation]\nthreshold = 0.5\n', "has no escalates_to"),
         ("[models.kev]\n", "needs a [base] table"),
-        ('[base]\npath = "b"\n[models.kve]\n', "unknown model(s) ['kve']"),
+        ('[base]\npath = "b"\n[models.kve]\n', "[models.kve] is not a known model (did you mean [models.kev]?"),
         ('[base]\npath = "b"\n[models.laya]\nescalates_to = "laya"\n', "not another configured model"),
         ('[base]\npath = "b"\n[models.laya]\nescalates_to = "nobody"\n', "not another configured model"),
         ('[base]\npath = "b"\n[models.kev]\nescalates_to = "laya"\n', "escalates itself: one step only"),
-        ('[base]\npath = "b"\n[models.kev]\njob_may_set_system = "yes"\n', "must be true or false"),
+        (
+            '[base]\npath = "b"\n[models.kev]\njob_may_set_system = "yes"\n',
+            "job_may_set_system = 'yes': input should be a valid boolean",
+        ),
+        (
+            '[base]\npath = "b"\n[models.kev]\nmax_new_tokens = "eight"\n',
+            "max_new_tokens = 'eight': input should be a valid integer",
+        ),
+        ('[base]\npath = "b"\n[model.kev]\n', "unknown key 'model' (did you mean 'models'?)"),
+        ('[bases.x]\npathh = "b"\n', "[bases.x] missing key 'path'"),
         ("[base\n", "invalid TOML"),
     ],
 )

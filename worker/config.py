@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import tomllib
 from shared import models as known_models
 from shared.errors import ConfigError
 from shared.models import defaults_for
+from worker.config_schema import ConfigFile, EscalationTable, ModelTable, parse_file
 
 QUANTIZATIONS = ("nf4", "fp4", "none")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -109,133 +111,97 @@ def config_from_toml(text: str, *, path: Path = Path("models.toml")) -> ModelsCo
 
 
 def _parse(raw: dict[str, Any], path: Path) -> ModelsConfig:
+    """The typed file (worker.config_schema), then the relations between tables: bases named, model names
+    known, escalation targets real."""
+    where = str(path)
+    file = parse_file(raw, where=where)
     root = path.parent.resolve()
-    bases = _bases(raw, root)
-    tables = raw.get("models", {})
+    bases = _bases(file, root, where)
     names = known_models.MODEL_NAMES
-    unknown = sorted(set(tables) - set(names))
-    if unknown:
-        raise ConfigError(f"[models]: unknown model(s) {unknown}; known: {list(names)} (shared/models.py)")
-    targets = {t for n in names if (t := tables.get(n, {}).get("escalates_to", defaults_for(n).escalates_to))}
-    models = {name: _model(name, tables.get(name, {}), bases, root, is_target=name in targets) for name in names}
-    _check_escalation_targets(models)
-    stops = tuple(raw.get("stop_strings", ("<|im_end|>", "<|endoftext|>")))
+    for name in file.models:
+        if name not in names:
+            hint = difflib.get_close_matches(name, names, n=1)
+            suggestion = f"did you mean [models.{hint[0]}]?" if hint else f"known: {', '.join(names)}"
+            raise ConfigError(f"{where}: [models.{name}] is not a known model ({suggestion}; shared/models.py)")
+    tables = {name: file.models.get(name, ModelTable()) for name in names}
+    targets = {t for n, table in tables.items() if (t := _escalates_to(n, table))}
+    models = {n: _model(n, t, bases, root, where, is_target=n in targets) for n, t in tables.items()}
+    _check_escalation_targets(models, where)
+    stops = tuple(file.stop_strings) if file.stop_strings is not None else ("<|im_end|>", "<|endoftext|>")
     return ModelsConfig(path=path, bases=bases, models=models, stop_strings=stops)
 
 
-def _bases(raw: dict[str, Any], root: Path) -> dict[str, BaseSpec]:
-    tables = dict(raw.get("bases", {}))
-    if "base" in raw:
-        tables[DEFAULT_BASE] = raw["base"]
+def _bases(file: ConfigFile, root: Path, where: str) -> dict[str, BaseSpec]:
+    tables = dict(file.bases)
+    if file.base is not None:
+        tables[DEFAULT_BASE] = file.base
     if not tables:
-        raise ConfigError("the config needs a [base] table (or [bases.NAME] tables)")
-    return {name: _base(name, table, root) for name, table in tables.items()}
+        raise ConfigError(f"{where}: the config needs a [base] table (or [bases.NAME] tables)")
+    return {
+        name: BaseSpec(
+            name=name,
+            path=(root / t.path).resolve(),
+            quantization=t.quantization,
+            compute_dtype=t.compute_dtype,
+            double_quant=t.double_quant,
+        )
+        for name, t in tables.items()
+    }
 
 
-def _base(name: str, table: dict[str, Any], root: Path) -> BaseSpec:
-    _known(table, {"path", "quantization", "compute_dtype", "double_quant"}, f"[bases.{name}]")
-    if "path" not in table:
-        raise ConfigError(f"[bases.{name}] needs 'path' (a local checkpoint folder)")
-    quant = table.get("quantization", "nf4")
-    if quant not in QUANTIZATIONS:
-        raise ConfigError(f"[bases.{name}] quantization must be one of {QUANTIZATIONS}, got {quant!r}")
-    dtype = table.get("compute_dtype", "bfloat16")
-    if dtype not in DTYPES:
-        raise ConfigError(f"[bases.{name}] compute_dtype must be one of {DTYPES}, got {dtype!r}")
-    return BaseSpec(
-        name=name,
-        path=(root / table["path"]).resolve(),
-        quantization=quant,
-        compute_dtype=dtype,
-        double_quant=bool(table.get("double_quant", True)),
-    )
+def _escalates_to(name: str, table: ModelTable) -> str | None:
+    return table.escalates_to if "escalates_to" in table.model_fields_set else defaults_for(name).escalates_to
 
 
-_MODEL_KEYS = {
-    "base",
-    "adapter",
-    "template",
-    "followup_template",
-    "system",
-    "max_input_tokens",
-    "max_new_tokens",
-    "decision_prefix",
-    "escalation",
-    "escalates_to",
-    "job_may_set_system",
-}
-
-
-def _model(name: str, table: dict[str, Any], bases: dict[str, BaseSpec], root: Path, *, is_target: bool) -> ModelSpec:
-    _known(table, _MODEL_KEYS, f"[models.{name}]")
+def _model(
+    name: str, table: ModelTable, bases: dict[str, BaseSpec], root: Path, where: str, *, is_target: bool
+) -> ModelSpec:
     defaults = defaults_for(name)
-    base = table.get("base", DEFAULT_BASE if DEFAULT_BASE in bases else next(iter(bases)))
+    base = table.base or (DEFAULT_BASE if DEFAULT_BASE in bases else next(iter(bases)))
     if base not in bases:
-        raise ConfigError(f"[models.{name}] names base {base!r}; defined: {', '.join(bases)}")
-    max_new = int(table.get("max_new_tokens", defaults.max_new_tokens))
-    max_in = int(table.get("max_input_tokens", 1024))
-    if max_new < 1 or max_in < 1:
-        raise ConfigError(f"[models.{name}] max_new_tokens and max_input_tokens must be positive")
-    adapter = table.get("adapter")
-    escalates_to = table.get("escalates_to", defaults.escalates_to)
+        raise ConfigError(f"{where}: [models.{name}] names base {base!r}; defined: {', '.join(bases)}")
+    escalates_to = _escalates_to(name, table)
+    if table.escalation is not None and not escalates_to:
+        raise ConfigError(f"{where}: [models.{name}.escalation]: this model has no escalates_to")
     # A model that others escalate to sees their answer in its follow-up prompt.
-    followup = table.get("followup_template", DEFAULT_FOLLOWUP_TEMPLATE if is_target else None)
+    followup = table.followup_template or (DEFAULT_FOLLOWUP_TEMPLATE if is_target else None)
     return ModelSpec(
         name=name,
         base=base,
-        adapter=(root / adapter).resolve() if adapter else None,
-        template=table.get("template", DEFAULT_TEMPLATE),
+        adapter=(root / table.adapter).resolve() if table.adapter else None,
+        template=table.template or DEFAULT_TEMPLATE,
         followup_template=followup,
-        system=table.get("system", defaults.system),
-        max_input_tokens=max_in,
-        max_new_tokens=max_new,
-        decision_prefix=table.get("decision_prefix", "Decision:"),
-        escalation=_escalation(name, table.get("escalation"), escalates_to),
+        system=table.system if table.system is not None else defaults.system,
+        max_input_tokens=table.max_input_tokens,
+        max_new_tokens=table.max_new_tokens or defaults.max_new_tokens,
+        decision_prefix=table.decision_prefix,
+        escalation=_escalation(table.escalation) if escalates_to else None,
         escalates_to=escalates_to or None,
-        job_may_set_system=_flag(table, "job_may_set_system", f"[models.{name}]"),
+        job_may_set_system=table.job_may_set_system,
     )
 
 
-def _check_escalation_targets(models: dict[str, ModelSpec]) -> None:
+def _check_escalation_targets(models: dict[str, ModelSpec], where: str) -> None:
     for spec in models.values():
         target = spec.escalates_to
         if target is None:
             continue
         if target not in models or target == spec.name:
-            raise ConfigError(f"[models.{spec.name}] escalates_to = {target!r}: not another configured model")
+            raise ConfigError(f"{where}: [models.{spec.name}] escalates_to = {target!r}: not another configured model")
         if models[target].escalates_to is not None:
-            raise ConfigError(f"[models.{spec.name}] escalates_to = {target!r}, which escalates itself: one step only")
+            raise ConfigError(
+                f"{where}: [models.{spec.name}] escalates_to = {target!r}, which escalates itself: one step only"
+            )
 
 
-def _flag(table: dict[str, Any], key: str, where: str) -> bool:
-    value = table.get(key, False)
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where} {key} must be true or false, got {value!r}")
-    return value
-
-
-def _escalation(name: str, table: dict[str, Any] | None, escalates_to: str | None) -> EscalationRule | None:
-    if not escalates_to:
-        if table:
-            raise ConfigError(f"[models.{name}.escalation]: this model has no escalates_to")
-        return None
-    table = table or {}
-    _known(table, {"enabled", "threshold", "phrases", "max_chars"}, f"[models.{name}.escalation]")
-    threshold = float(table.get("threshold", 0.7))
-    if not 0.0 <= threshold <= 1.0:
-        raise ConfigError(f"[models.{name}.escalation] threshold must be in [0, 1], got {threshold}")
+def _escalation(table: EscalationTable | None) -> EscalationRule:
+    table = table or EscalationTable()
     return EscalationRule(
-        enabled=bool(table.get("enabled", True)),
-        threshold=threshold,
-        phrases=tuple(table.get("phrases", DEFAULT_UNSURE_PHRASES)),
-        max_chars=int(table.get("max_chars", 400)),
+        enabled=table.enabled,
+        threshold=table.threshold,
+        phrases=tuple(table.phrases) if table.phrases is not None else DEFAULT_UNSURE_PHRASES,
+        max_chars=table.max_chars,
     )
-
-
-def _known(table: dict[str, Any], allowed: set[str], where: str) -> None:
-    unknown = sorted(set(table) - allowed)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
 
 
 def check_files(config: ModelsConfig) -> None:
