@@ -59,6 +59,9 @@ def _setup_logging(level: str) -> None:
     show_default=True,
     help="A running job whose heartbeat is older than this is taken back from a dead worker.",
 )
+@click.option(
+    "--metrics-port", type=int, default=None, help="Serve Prometheus /metrics, /healthz and /readyz on this port."
+)
 @click.option("--log-level", default="info", show_default=True)
 @click.pass_context
 def worker_command(
@@ -75,6 +78,7 @@ def worker_command(
     batch_time_limit_s: float,
     name: str | None,
     job_heartbeat_ttl_s: float,
+    metrics_port: int | None,
     log_level: str,
 ) -> None:
     """Run the batch worker: load the models once, then drain the Kev and Laya queues in batches."""
@@ -106,6 +110,7 @@ def worker_command(
         batch_time_limit_s=batch_time_limit_s,
         name=name,
         prefix=obj.get("prefix", DEFAULT_PREFIX),
+        metrics_port=metrics_port,
     )
     BatchWorker(connect(obj.get("redis_url"), socket_timeout_s=60), engine, config, settings).work()
 

@@ -30,6 +30,7 @@ from shared.store import BatchFlags
 from worker.config import ModelsConfig
 from worker.faults import maybe_crash
 from worker.followups import prompt_chars
+from worker.metrics import HealthServer
 from worker.outputs import RowOutput
 from worker.policy import QueueState, choose_model
 from worker.recovery import RecoveryPass
@@ -87,6 +88,8 @@ class BatchWorker:
         self.recovery = RecoveryPass(redis, self.keys, self.bridge, config.names, self.stats)
         self.current_model: str | None = None
         self._stop = threading.Event()
+        self.ready = threading.Event()  # registered and serving (/readyz)
+        self.health: HealthServer | None = None
         self._in_flight: dict[str, list[str]] = {}
         self._lock = threading.Lock()
         self._last_recovery = 0.0
@@ -102,6 +105,15 @@ class BatchWorker:
 
     def work(self) -> WorkerStats:
         self._install_signals()
+        if self.settings.metrics_port is not None:
+            self.health = HealthServer(self, self.settings.metrics_port).start()
+        try:
+            return self._work()
+        finally:
+            if self.health is not None:
+                self.health.stop()
+
+    def _work(self) -> WorkerStats:
         ttl = self.settings.worker_ttl_s
         rq_worker = self._wait_for_redis(lambda: self.bridge.make_rq_worker(ttl))
         self._wait_for_redis(lambda: self.bridge.register(rq_worker, worker_ttl_s=ttl))
@@ -118,6 +130,7 @@ class BatchWorker:
                 spec.adapter or "(none: the base itself)",
                 self.settler.versions.get(name),
             )
+        self.ready.set()
         log.info("worker %s started (burst=%s)", self.name, self.settings.burst)
         try:
             while not self._stop.is_set():
@@ -131,6 +144,7 @@ class BatchWorker:
                     self._redis_ok_since = time.time()
                     self._stop.wait(1.0)
         finally:
+            self.ready.clear()
             self._stop.set()
             beat.join(timeout=5)
             self.stats.publish(self.redis, self.keys, self.name)
@@ -278,6 +292,7 @@ class BatchWorker:
             jobs=len(rows),
             ran=len(triage.runnable),
             errors=sum(1 for o in outputs if getattr(o, "error", None) is not None),
+            prompt_tokens=outputs_tokens(outputs, "prompt_tokens"),
             generated_tokens=outputs_tokens(outputs),
             wait_s=max(waits, default=0.0),
             engine_s=engine_s,
@@ -293,6 +308,11 @@ class BatchWorker:
             return
         written = self.settler.write(rows, ttl_s=self.settings.result_ttl_s)
         self.stats.escalations += len(written.follow_ups)
+        for row in rows:
+            if row.result is not None:
+                error = row.result.error
+                outcome = "error" if error else ("answered" if row.result.final else "escalated")
+                self.stats.count_outcome(outcome, error.type if error else "")
         if written.follow_ups:
             # The longest by characters stands for all (encoding each would cost ~0.3 ms a job).
             self.engine.expect(max((e.job for e in written.follow_ups), key=prompt_chars))

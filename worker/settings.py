@@ -23,6 +23,7 @@ class WorkerSettings:
     batch_time_limit_s: float = 900.0
     name: str | None = None
     prefix: str = DEFAULT_PREFIX
+    metrics_port: int | None = None  # serve /metrics, /healthz, /readyz here (0: any free port)
 
     @classmethod
     def with_heartbeat_ttl(cls, job_heartbeat_ttl_s: float, **kw: object) -> WorkerSettings:

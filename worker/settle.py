@@ -267,5 +267,5 @@ def dead_letter(settler: Settler, rows: Sequence[Row]) -> list[Row]:
     return out
 
 
-def outputs_tokens(outputs: Sequence[Any]) -> int:
-    return sum(getattr(o, "completion_tokens", 0) or 0 for o in outputs)
+def outputs_tokens(outputs: Sequence[Any], field: str = "completion_tokens") -> int:
+    return sum(getattr(o, field, 0) or 0 for o in outputs)

@@ -28,6 +28,7 @@ class BatchFacts:
     jobs: int
     ran: int
     errors: int
+    prompt_tokens: int
     generated_tokens: int
     wait_s: float
     engine_s: float
@@ -46,8 +47,10 @@ class WorkerStats:
     dead_lettered: int = 0
     quarantined: int = 0
     mixed_batches: int = 0
+    prompt_tokens: int = 0
     generated_tokens: int = 0
     engine_s: float = 0.0  # time inside the engine's run only
+    outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)  # (answered|escalated|error, error type)
     started_at: float = field(default_factory=time.time)
     first_job_at: float | None = None
     last_job_at: float | None = None
@@ -60,6 +63,7 @@ class WorkerStats:
         self.batch_sizes[facts.jobs] += 1
         self.mixed_batches += len(facts.models) > 1
         self.errors += facts.errors
+        self.prompt_tokens += facts.prompt_tokens
         self.generated_tokens += facts.generated_tokens
         self.engine_s += facts.engine_s
         now = time.time()
@@ -78,9 +82,13 @@ class WorkerStats:
             facts.generated_tokens / max(facts.engine_s, 1e-9),
         )
 
+    def count_outcome(self, outcome: str, error_type: str = "") -> None:
+        self.outcomes[(outcome, error_type)] += 1
+
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "batch_sizes"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("batch_sizes", "outcomes")}
         out["batch_sizes"] = {str(k): v for k, v in sorted(self.batch_sizes.items())}
+        out["outcomes"] = {f"{o}:{t}" if t else o: n for (o, t), n in sorted(self.outcomes.items())}
         return out
 
     def publish(self, conn: Redis, keys: Keys, name: str) -> None:
