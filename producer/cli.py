@@ -95,6 +95,9 @@ def _client(ctx: click.Context) -> Client:
 @click.option("--no-escalate", is_flag=True, help="Never escalate Laya answers to Kev in this batch.")
 @click.option("--model-map", default=None, help="OpenAI model names to kevlaya models: gpt-4o-mini=laya,gpt-4o=kev.")
 @click.option(
+    "--notify-url", default=None, help="POST the batch's status here when it finishes (workers allowlist it)."
+)
+@click.option(
     "--expires-in",
     "expires_in_s",
     type=float,
@@ -112,6 +115,7 @@ def submit(
     timeout_s: float | None,
     no_escalate: bool,
     model_map: str | None,
+    notify_url: str | None,
     expires_in_s: float,
 ) -> None:
     """Validate FILE (JSONL, or - for stdin) completely, then enqueue it. Prints the batch id on stdout."""
@@ -135,6 +139,7 @@ def submit(
             escalate=not no_escalate,
             progress=lambda n: bar.update(n - bar.n),
             completion_window_s=expires_in_s,
+            notify_url=notify_url,
         )
     click.echo(f"batch {handle.id}: {handle.enqueued} enqueued, {handle.skipped} already present", err=True)
     click.echo(handle.id)

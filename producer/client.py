@@ -41,6 +41,7 @@ from shared.store import (
     BatchRecord,
     batch_state,
     iter_export,
+    notify_if_done,
     promote_step,
     quarantine_summary,
     read_batch,
@@ -132,6 +133,7 @@ class Client:
         escalate: bool = True,
         progress: Any = None,
         completion_window_s: float = DEFAULT_COMPLETION_WINDOW_S,
+        notify_url: str | None = None,
     ) -> BatchHandle:
         """Validate every job, then enqueue them. Items already in `batch_id` are skipped, however often and
         however concurrently they are submitted: each chunk claims its items and enqueues them in one
@@ -148,13 +150,16 @@ class Client:
         state = batch_state(self.redis, self.keys, batch)
         if state in ("cancelled", "expired"):
             raise BatchClosedError(f"batch {batch!r} is {state}; submit into a new batch instead")
-        self._write_batch_header(batch, escalate=escalate, window_s=completion_window_s)
+        if notify_url is not None and not notify_url.startswith(("http://", "https://")):
+            raise ValidationError(f"notify URL {notify_url!r} is not http(s)://", field="notify_url")
+        self._write_batch_header(batch, escalate=escalate, window_s=completion_window_s, notify_url=notify_url)
         enqueued = 0
         for start in range(0, len(parsed), PIPELINE_CHUNK):
             enqueued += self._enqueue_chunk(batch, parsed[start : start + PIPELINE_CHUNK])
             if progress is not None:
                 progress(min(start + PIPELINE_CHUNK, len(parsed)))
         self.redis.hdel(self.keys.batch(batch), "submitting")  # a submit that died leaves it `validating`
+        notify_if_done(self.redis, self.keys, batch)  # every item may have been answered while it was writing
         return BatchHandle(self, batch, enqueued=enqueued, skipped=len(parsed) - enqueued)
 
     def _validate_all(self, jobs: Iterable[Job | dict[str, Any]], model: str | None) -> list[Job]:
@@ -175,13 +180,15 @@ class Client:
             raise SubmissionError(errors)
         return parsed
 
-    def _write_batch_header(self, batch: str, *, escalate: bool, window_s: float) -> None:
+    def _write_batch_header(self, batch: str, *, escalate: bool, window_s: float, notify_url: str | None) -> None:
         now = time.time()
         key = self.keys.batch(batch)
         with self.redis.pipeline() as pipe:
             pipe.hsetnx(key, "created_at", repr(now))
             pipe.hsetnx(key, "window_ends_at", repr(now + window_s))  # the first submit opens the window
             pipe.hset(key, "submitting", "1")
+            if notify_url:
+                pipe.hset(key, "notify_url", notify_url)
             pipe.hset(key, mapping={"id": batch, "expires_at": repr(now + self.batch_ttl_s)})
             if not escalate:
                 pipe.hset(key, "escalate_off", "1")
@@ -242,16 +249,21 @@ class Client:
         """Poll until every item has a final result; returns the complete record. Raises WaitTimeoutError
         if timeout_s passes first (the batch goes on; wait again or export what is done)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            record = self.status(batch)
-            if on_poll is not None:
-                on_poll(record)
-            if record.complete:
-                return record
-            if deadline is not None and time.monotonic() >= deadline:
-                c = record.counts
-                raise WaitTimeoutError(f"batch {batch}: {c.done}/{c.total} done after {timeout_s} s; still running")
-            time.sleep(poll_s)
+        # The worker that writes a batch's last result announces it on the events channel: the wait wakes
+        # on that message, and polls at `poll_s` only to show progress (and in case a message was missed).
+        with self.redis.pubsub(ignore_subscribe_messages=True) as events:
+            events.subscribe(self.keys.events())
+            while True:
+                record = self.status(batch)
+                if on_poll is not None:
+                    on_poll(record)
+                if record.complete:
+                    return record
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    c = record.counts
+                    raise WaitTimeoutError(f"batch {batch}: {c.done}/{c.total} done after {timeout_s} s; still running")
+                events.get_message(timeout=poll_s if left is None else min(poll_s, left))
 
     def workers_seen(self, within_s: float = 60.0) -> int:
         """Workers whose heartbeat is younger than within_s."""

@@ -2,11 +2,12 @@
 
 A producer may read everything of kevlaya's and RQ's, and write only: its batches' keys, the batch index,
 kevlaya's RQ queues, RQ job hashes and RQ's queue set, and the quarantine (it moves a key of the wrong
-type aside before it enqueues). It cannot write RQ's started/finished/failed registries, worker
-registrations, kevlaya's worker keys (suspect groups, worker index, stats, counters), flush, reconfigure
-or shut Redis down, or publish RQ worker commands. Redis ACLs cannot scope a key to "this producer's
-own batch", so a producer can still write any batch's keys, any job hash and any queue entry: the worker
-treats every byte it reads as untrusted (README, "Security").
+type aside before it enqueues) and the notices outbox. Its only pub/sub channel is kevlaya's events
+channel. It cannot write RQ's started/finished/failed registries, worker registrations, kevlaya's worker
+keys (suspect groups, worker index, stats, counters), flush, reconfigure or shut Redis down, or publish RQ
+worker commands. Redis ACLs cannot scope a key to "this producer's own batch", so a producer can still
+write any batch's keys, any job hash and any queue entry: the worker treats every byte it reads as
+untrusted (README, "Security").
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ def producer_acl_rules(password: str, *, prefix: str = DEFAULT_PREFIX) -> list[s
         "%R~rq:*",
         f"~{prefix}batch:*",
         f"~{prefix}batches",
+        f"~{prefix}notices",
         f"~{prefix}w:quarantine*",
         f"~{prefix}w:counter:quarantined",
         f"~rq:queue:{prefix}*",
         "~rq:job:*",
         "~rq:queues",
         "resetchannels",
+        f"&{prefix}events",
         "-@all",
         "+@read",
         "+@write",
@@ -40,4 +43,7 @@ def producer_acl_rules(password: str, *, prefix: str = DEFAULT_PREFIX) -> list[s
         "-@pubsub",
         "+ping",
         "+info",
+        "+subscribe",
+        "+unsubscribe",
+        "+publish",  # a cancel that completes a batch announces it (inside the result-writing script)
     ]

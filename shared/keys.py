@@ -62,6 +62,18 @@ class Keys:
         """Set: job ids a worker has taken and not yet finalised."""
         return f"{self.prefix}batch:{batch}:running"
 
+    def events(self) -> str:
+        """Pub/sub channel: a batch id each time a batch reaches a terminal state (once per batch)."""
+        return f"{self.prefix}events"
+
+    def outbox(self) -> str:
+        """List: JSON notices of finished batches that asked for an HTTP POST; workers deliver them."""
+        return f"{self.prefix}notices"
+
+    def outbox_sending(self, worker: str) -> str:
+        """List: the notice a worker is delivering (moved back to the outbox if it dies meanwhile)."""
+        return f"{self.prefix}w:notices:{worker}"
+
     def batches(self) -> str:
         """Sorted set: batch id -> created timestamp."""
         return f"{self.prefix}batches"

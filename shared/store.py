@@ -24,9 +24,30 @@ _READ_CHUNK = 1000
 # retried or duplicated job can never produce a second final answer; counters move only on that first write.
 # An item that is not in the batch's id set (a forged job, or a batch whose keys expired) is refused (-1):
 # nobody can add answers to a batch that were never asked for.
-# KEYS: results, batch hash, running set, steps, id set.
-# ARGV: custom_id, json, counter, now, job_id, final, follow-up ('1': this final answers an escalated item).
-_RECORD_LUA = """
+# KEYS: results, batch hash, running set, steps, id set, outbox.
+# ARGV: custom_id, json, counter, now, job_id, final, follow-up ('1': this final answers an escalated item),
+# batch id, events channel.
+# Once every item of a batch has its final answer or error (and no submit is still writing it), announce it
+# exactly once: a message on the events channel, and a notice in the outbox when the batch asked for an
+# HTTP POST (workers deliver it). KEYS: batch hash, id set, outbox. ARGV: batch id, now, events channel
+# (an argument, not a key: it is no key, and ACL key patterns would refuse it).
+_NOTIFY_LUA = """
+local function notify_if_done(hash, ids, channel, outbox, batch, now)
+  local c = redis.call('HMGET', hash, 'finished', 'failed', 'cancelled', 'expired', 'submitting', 'notify_url')
+  if c[5] == '1' then return 0 end
+  local done = (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0) + (tonumber(c[4]) or 0)
+  local total = redis.call('SCARD', ids)
+  if total == 0 or done < total then return 0 end
+  if redis.call('HSETNX', hash, 'notified_at', now) == 0 then return 0 end
+  redis.call('PUBLISH', channel, batch)
+  if c[6] then redis.call('LPUSH', outbox, cjson.encode({batch = batch, url = c[6], at = now})) end
+  return 1
+end
+"""
+
+_RECORD_LUA = (
+    _NOTIFY_LUA
+    + """
 if redis.call('SISMEMBER', KEYS[5], ARGV[1]) == 0 then
   redis.call('SREM', KEYS[3], ARGV[5])
   return -1
@@ -51,8 +72,12 @@ if ttl > 0 then
     if i ~= 2 and redis.call('EXISTS', KEYS[i]) == 1 then redis.call('PEXPIRE', KEYS[i], ttl) end
   end
 end
+if first == 1 and ARGV[6] == '1' then notify_if_done(KEYS[2], KEYS[5], ARGV[9], KEYS[6], ARGV[8], ARGV[4]) end
 return first
 """
+)
+
+_NOTIFY_IF_DONE_LUA = _NOTIFY_LUA + "return notify_if_done(KEYS[1], KEYS[2], ARGV[3], KEYS[3], ARGV[1], ARGV[2])\n"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,6 +193,7 @@ def record_result(redis: Redis, keys: Keys, result: Result, *, counter: str | No
             keys.batch_running(result.batch),
             keys.batch_steps(result.batch),
             keys.batch_item_set(result.batch),
+            keys.outbox(),
         ],
         args=[
             result.custom_id,
@@ -177,9 +203,19 @@ def record_result(redis: Redis, keys: Keys, result: Result, *, counter: str | No
             result.job_id,
             "1" if result.final else "0",
             "1" if result.escalated_from or result.not_escalated else "0",
+            result.batch,
+            keys.events(),
         ],
     )
     return None if first == -1 else bool(first)
+
+
+def notify_if_done(redis: Redis, keys: Keys, batch: str) -> bool:
+    """Announce the batch if it is complete and nobody has yet (a submit whose items were all answered
+    before it finished writing calls this at its end)."""
+    script = redis.register_script(_NOTIFY_IF_DONE_LUA)
+    args = [batch, repr(time.time()), keys.events()]
+    return bool(script(keys=[keys.batch(batch), keys.batch_item_set(batch), keys.outbox()], args=args))
 
 
 def _counter_for(result: Result) -> str:

@@ -62,6 +62,11 @@ def _setup_logging(level: str) -> None:
 @click.option(
     "--metrics-port", type=int, default=None, help="Serve Prometheus /metrics, /healthz and /readyz on this port."
 )
+@click.option(
+    "--notify-allow",
+    multiple=True,
+    help="URL prefix a batch's completion notice may be POSTed to (repeatable; none: no POSTs).",
+)
 @click.option("--log-level", default="info", show_default=True)
 @click.pass_context
 def worker_command(
@@ -79,6 +84,7 @@ def worker_command(
     name: str | None,
     job_heartbeat_ttl_s: float,
     metrics_port: int | None,
+    notify_allow: tuple[str, ...],
     log_level: str,
 ) -> None:
     """Run the batch worker: load the models once, then drain the Kev and Laya queues in batches."""
@@ -111,6 +117,7 @@ def worker_command(
         name=name,
         prefix=obj.get("prefix", DEFAULT_PREFIX),
         metrics_port=metrics_port,
+        notify_allow=notify_allow,
     )
     BatchWorker(connect(obj.get("redis_url"), socket_timeout_s=60), engine, config, settings).work()
 

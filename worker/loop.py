@@ -31,6 +31,7 @@ from worker.config import ModelsConfig
 from worker.faults import maybe_crash
 from worker.followups import prompt_chars
 from worker.metrics import HealthServer
+from worker.notices import Notifier
 from worker.outputs import RowOutput
 from worker.policy import QueueState, choose_model
 from worker.recovery import RecoveryPass
@@ -122,6 +123,10 @@ class BatchWorker:
         self._wait_for_redis(lambda: rq_worker.heartbeat(ttl))
         beat = threading.Thread(target=self._heartbeat_loop, args=(rq_worker,), daemon=True, name="heartbeat")
         beat.start()
+        notifier = None
+        if self.settings.notify_allow:
+            allow = self.settings.notify_allow
+            notifier = Notifier(self.redis, self.keys, self.name, allow=allow, stop=self._stop).start()
         for name, spec in self.config.models.items():
             log.info(
                 "model %s: base %s, adapter %s, version %s",
@@ -147,6 +152,8 @@ class BatchWorker:
             self.ready.clear()
             self._stop.set()
             beat.join(timeout=5)
+            if notifier is not None:
+                notifier.thread.join(timeout=5)
             self.stats.publish(self.redis, self.keys, self.name)
             try:
                 rq_worker.register_death()

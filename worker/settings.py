@@ -24,6 +24,7 @@ class WorkerSettings:
     name: str | None = None
     prefix: str = DEFAULT_PREFIX
     metrics_port: int | None = None  # serve /metrics, /healthz, /readyz here (0: any free port)
+    notify_allow: tuple[str, ...] = ()  # URL prefixes completion notices may be POSTed to
 
     @classmethod
     def with_heartbeat_ttl(cls, job_heartbeat_ttl_s: float, **kw: object) -> WorkerSettings:

@@ -1,0 +1,91 @@
+"""Delivering completion notices: a finished batch that asked for an HTTP POST gets one, from a worker,
+with retries and backoff, and only to a URL the worker's allowlist admits (a producer cannot make the GPU
+box call an arbitrary address)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+import orjson
+import redis.exceptions
+from redis import Redis
+
+from shared.keys import Keys
+from shared.store import read_batch
+
+log = logging.getLogger("kevlaya.worker")
+
+POST_TIMEOUT_S = 10.0
+RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0)  # after the first try: five tries over ~15 s
+
+
+def allowed(url: str, allow: Sequence[str]) -> bool:
+    return any(url.startswith(prefix) for prefix in allow)
+
+
+class Notifier:
+    """A daemon thread: takes notices from the outbox reliably (LMOVE into its own list) and POSTs them."""
+
+    def __init__(self, redis: Redis, keys: Keys, worker: str, *, allow: Sequence[str], stop: threading.Event) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.allow = tuple(allow)
+        self.stop = stop
+        self.sending = keys.outbox_sending(worker)
+        self.delivered = 0
+        self.thread = threading.Thread(target=self._run, daemon=True, name="notices")
+
+    def start(self) -> Notifier:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self._requeue_leftovers()
+                raw = self.redis.blmove(self.keys.outbox(), self.sending, 1.0, "RIGHT", "LEFT")
+                if raw is not None:
+                    self._deliver(raw)
+                    self.redis.lrem(self.sending, 1, raw)
+            except redis.exceptions.RedisError as exc:
+                log.warning("notices: redis unavailable (%s)", exc)
+                self.stop.wait(1.0)
+
+    def _requeue_leftovers(self) -> None:
+        """A notice this worker was sending when it died goes back to the outbox."""
+        while self.redis.lmove(self.sending, self.keys.outbox(), "RIGHT", "RIGHT") is not None:
+            pass
+
+    def _deliver(self, raw: bytes) -> None:
+        try:
+            notice = orjson.loads(raw)
+            batch, url = str(notice["batch"]), str(notice["url"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            log.warning("notices: dropping an unreadable notice %r", raw[:200])
+            return
+        if not allowed(url, self.allow):
+            log.warning("notices: batch %s asked for a POST to %s, which --notify-allow does not admit", batch, url)
+            return
+        body = orjson.dumps(read_batch(self.redis, self.keys, batch).to_dict())
+        for attempt, delay in enumerate((0.0, *RETRY_DELAYS_S), start=1):
+            if delay and self.stop.wait(delay):
+                return
+            if _post(url, body):
+                self.delivered += 1
+                log.info("notices: batch %s announced to %s (try %d)", batch, url, attempt)
+                return
+        log.error("notices: batch %s: POST to %s failed %d times; giving up", batch, url, len(RETRY_DELAYS_S) + 1)
+
+
+def _post(url: str, body: bytes) -> bool:
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=POST_TIMEOUT_S) as resp:
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, TimeoutError, OSError) as exc:
+        log.warning("notices: POST to %s failed: %s", url, exc)
+        return False
