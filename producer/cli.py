@@ -65,6 +65,7 @@ class _LazyGroup(click.Group):
 
 
 @click.group(cls=_LazyGroup)
+@click.version_option(package_name="kevlaya", message="kevlaya %(version)s")
 @click.option(
     "--redis-url",
     envvar="REDIS_URL",
