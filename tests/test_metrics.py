@@ -53,3 +53,29 @@ def test_metrics_endpoint_of_a_running_worker(client: Client, redis: Redis) -> N
         worker.request_stop()
         thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def test_rq_tools_agree_suspend_pauses_and_rq_info_counts(client: Client, redis: Redis) -> None:
+    from rq.suspension import resume, suspend
+    from rq.worker import SimpleWorker
+
+    suspend(redis)
+    handle = client.submit_batch([{"custom_id": f"j{i}", "model": "laya", "prompt": "p"} for i in range(3)])
+    worker = BatchWorker(redis, FakeEngine(), FAKE_CONFIG, WorkerSettings(name="rq1"))
+    thread = threading.Thread(target=worker.work)
+    thread.start()
+    try:
+        wait_until(worker.ready.is_set, 30)
+        import time
+
+        time.sleep(1.5)
+        assert client.status(handle.id).counts.done == 0  # suspended: nothing taken
+        (info,) = SimpleWorker.all(connection=redis)
+        assert info.name == "rq1" and info.get_state() == "idle"
+        resume(redis)
+        wait_until(lambda: client.status(handle.id).complete, 30)
+        (info,) = SimpleWorker.all(connection=redis)
+        assert info.successful_job_count == 3 and info.failed_job_count == 0
+    finally:
+        worker.request_stop()
+        thread.join(timeout=30)

@@ -90,6 +90,9 @@ class BatchWorker:
         self.current_model: str | None = None
         self._stop = threading.Event()
         self.ready = threading.Event()  # registered and serving (/readyz)
+        self._rq_worker: Any = None
+        self._suspended = False
+        self._errors_reported = 0
         self.health: HealthServer | None = None
         self._in_flight: dict[str, list[str]] = {}
         self._lock = threading.Lock()
@@ -118,6 +121,8 @@ class BatchWorker:
         ttl = self.settings.worker_ttl_s
         rq_worker = self._wait_for_redis(lambda: self.bridge.make_rq_worker(ttl))
         self._wait_for_redis(lambda: self.bridge.register(rq_worker, worker_ttl_s=ttl))
+        self._rq_worker = rq_worker
+        self.bridge.report(rq_worker, busy=False)
         # RQ's birth gives the worker key worker_ttl + 60 s; beat once now, so a crash right after start is
         # noticed within worker_ttl, not a minute later.
         self._wait_for_redis(lambda: rq_worker.heartbeat(ttl))
@@ -200,6 +205,11 @@ class BatchWorker:
     # ---- one pass of the loop -----------------------------------------------------------------
     def _step(self) -> bool:
         """One batch, or one idle poll. Returns False when a burst worker should exit."""
+        if self._is_suspended():
+            if self.settings.burst:
+                return False
+            self._stop.wait(1.0)
+            return True
         self._maybe_recover()
         now = time.time()
         facts = self.bridge.queue_facts()
@@ -223,6 +233,15 @@ class BatchWorker:
         if taken.rows:
             self._run_take(taken)
         return True
+
+    def _is_suspended(self) -> bool:
+        suspended = self.bridge.suspended()
+        if suspended != self._suspended:
+            log.warning(
+                "worker %s by `rq %s`", "suspended" if suspended else "resumed", "suspend" if suspended else "resume"
+            )
+            self._suspended = suspended
+        return suspended
 
     def _take(self, model: str, states: dict[str, QueueState], *, suspects: int, queued: int) -> Take:
         self.bridge.begin_batch()
@@ -257,6 +276,9 @@ class BatchWorker:
         rows = taken.rows
         with self._lock:
             self._in_flight = {m: [r.raw.id for r in rows if r.model == m] for m in {r.model for r in rows}}
+        started = time.time()
+        if self._rq_worker is not None:
+            self.bridge.report(self._rq_worker, busy=True)
         try:
             if taken.dead:
                 self.stats.dead_lettered += len(rows)
@@ -266,6 +288,13 @@ class BatchWorker:
         finally:
             with self._lock:
                 self._in_flight = {}
+            if self._rq_worker is not None:
+                errors = self.stats.errors - self._errors_reported
+                self._errors_reported = self.stats.errors
+                done = len(rows)
+                self.bridge.report(
+                    self._rq_worker, busy=False, ok=max(done - errors, 0), failed=errors, seconds=time.time() - started
+                )
 
     def _process(self, rows: list[Row]) -> None:
         """Settled rows are written first; then the rest run as one batch. A take is either normal jobs or one

@@ -11,6 +11,7 @@ import time
 import redis.exceptions
 from redis import Redis
 from rq import Queue
+from rq.suspension import is_suspended
 from rq.worker import SimpleWorker
 
 from shared.errors import WorkerNameTakenError
@@ -70,6 +71,26 @@ class Registration:
             return bool(self.redis.exists(key)) and not self.redis.hexists(key, "death")
         except redis.exceptions.ResponseError:
             return False
+
+    def suspended(self) -> bool:
+        """`rq suspend` was run: finish the batch in flight, take nothing new until `rq resume`."""
+        try:
+            return bool(is_suspended(self.redis))
+        except redis.exceptions.ResponseError:
+            return False
+
+    @staticmethod
+    def report(rq_worker: SimpleWorker, *, busy: bool, ok: int = 0, failed: int = 0, seconds: float = 0.0) -> None:
+        """The worker's state and job counts where `rq info` and rq-dashboard read them."""
+        with rq_worker.connection.pipeline(transaction=False) as pipe:
+            rq_worker.set_state("busy" if busy else "idle", pipeline=pipe)
+            if ok:
+                pipe.hincrby(rq_worker.key, "successful_job_count", ok)
+            if failed:
+                pipe.hincrby(rq_worker.key, "failed_job_count", failed)
+            if seconds:
+                pipe.hincrbyfloat(rq_worker.key, "total_working_time", seconds)
+            pipe.execute(raise_on_error=False)
 
 
 def _pid_alive(pid: int) -> bool:
