@@ -47,8 +47,8 @@ class AsyncClient:
     async def status(self, batch: str) -> BatchRecord:
         async with self.redis.pipeline(transaction=False) as pipe:
             queue_record_reads(pipe, self.keys, batch)
-            raw, running, total = await pipe.execute()
-        return batch_record(batch, raw, running, total)
+            raw, running, total, submits = await pipe.execute(raise_on_error=False)
+        return batch_record(batch, raw, running, total, submits)
 
     async def result(self, batch: str, custom_id: str) -> dict[str, Any] | None:
         """One item's final answer (or error), or None while it is pending."""

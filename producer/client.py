@@ -15,10 +15,12 @@ from redis.exceptions import WatchError
 from shared import models as known_models
 from shared.conn import connect
 from shared.enqueue import (
+    ENQUEUE_TRIES,
     EnqueueSettings,
     Entry,
     cancel_queued,
     enqueue_entries,
+    expected_types,
     job_key,
     queues_for,
     stored_jobs,
@@ -28,13 +30,14 @@ from shared.errors import (
     EXPIRED,
     BatchClosedError,
     BatchNotFoundError,
+    KevlayaError,
     SubmissionError,
     ValidationError,
     WaitTimeoutError,
 )
 from shared.job import DEFAULT_LIMITS, Job, Limits
 from shared.keys import BATCH_ID_RE, DEFAULT_PREFIX, Keys, followup_id, job_id
-from shared.quarantine import Quarantine
+from shared.quarantine import Quarantine, clear_the_way
 from shared.result import Result
 from shared.store import (
     DEFAULT_BATCH_TTL_S,
@@ -152,13 +155,16 @@ class Client:
             raise BatchClosedError(f"batch {batch!r} is {state}; submit into a new batch instead")
         if notify_url is not None and not notify_url.startswith(("http://", "https://")):
             raise ValidationError(f"notify URL {notify_url!r} is not http(s)://", field="notify_url")
+        token = secrets.token_hex(8)
+        self._holding(batch, token)
         self._write_batch_header(batch, escalate=escalate, window_s=completion_window_s, notify_url=notify_url)
         enqueued = 0
         for start in range(0, len(parsed), PIPELINE_CHUNK):
+            self._holding(batch, token)
             enqueued += self._enqueue_chunk(batch, parsed[start : start + PIPELINE_CHUNK])
             if progress is not None:
                 progress(min(start + PIPELINE_CHUNK, len(parsed)))
-        self.redis.hdel(self.keys.batch(batch), "submitting")  # a submit that died leaves it `validating`
+        self._done_submitting(batch, token)
         notify_if_done(self.redis, self.keys, batch)  # every item may have been answered while it was writing
         return BatchHandle(self, batch, enqueued=enqueued, skipped=len(parsed) - enqueued)
 
@@ -180,13 +186,25 @@ class Client:
             raise SubmissionError(errors)
         return parsed
 
+    def _holding(self, batch: str, token: str) -> None:
+        """This submit still writes into the batch: it stays `validating` and unannounced meanwhile. A submit
+        that dies stops refreshing this and ages out (shared.store.SUBMIT_ALIVE_S)."""
+        key = self.keys.batch_submits(batch)
+        clear_the_way(self.redis, self.quarantine, {key: "zset"})
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(key, {token: time.time()})
+            pipe.expire(key, self.batch_ttl_s)
+            pipe.execute()
+
+    def _done_submitting(self, batch: str, token: str) -> None:
+        self.redis.zrem(self.keys.batch_submits(batch), token)
+
     def _write_batch_header(self, batch: str, *, escalate: bool, window_s: float, notify_url: str | None) -> None:
         now = time.time()
         key = self.keys.batch(batch)
         with self.redis.pipeline() as pipe:
             pipe.hsetnx(key, "created_at", repr(now))
             pipe.hsetnx(key, "window_ends_at", repr(now + window_s))  # the first submit opens the window
-            pipe.hset(key, "submitting", "1")
             if notify_url:
                 pipe.hset(key, "notify_url", notify_url)
             pipe.hset(key, mapping={"id": batch, "expires_at": repr(now + self.batch_ttl_s)})
@@ -198,9 +216,12 @@ class Client:
 
     def _enqueue_chunk(self, batch: str, jobs: Sequence[Job]) -> int:
         """Claim the chunk's new items and enqueue their RQ jobs in one transaction; retried if a
-        concurrent submitter changed the batch's item set meanwhile. Returns how many were new."""
+        concurrent submitter changed the batch's item set meanwhile. Returns how many were new.
+
+        Keys of the wrong type are moved aside first; a transaction that still failed a command (one
+        replaced meanwhile) is undone -- its items unclaimed, its job hashes deleted -- and tried again."""
         items, id_set = self.keys.batch_items(batch), self.keys.batch_item_set(batch)
-        while True:
+        for _ in range(ENQUEUE_TRIES):
             with self.redis.pipeline() as pipe:
                 try:
                     pipe.watch(id_set)
@@ -208,36 +229,32 @@ class Client:
                     fresh = [j for j, k in zip(jobs, known, strict=True) if not k]
                     if not fresh:
                         return 0
-                    self._clear_the_way(batch, fresh)
+                    entries = [Entry(job_id(batch, j.custom_id), replace(j, batch=batch)) for j in fresh]
+                    expected = {items: "list", id_set: "set"} | expected_types(self.queues, entries)
+                    clear_the_way(self.redis, self.quarantine, expected)
                     pipe.multi()
                     ids = [j.custom_id for j in fresh]
                     pipe.rpush(items, *ids)
                     pipe.sadd(id_set, *ids)
                     for key in (items, id_set):
                         pipe.expire(key, self.batch_ttl_s)
-                    entries = [Entry(job_id(batch, j.custom_id), replace(j, batch=batch)) for j in fresh]
                     enqueue_entries(pipe, self.queues, entries, self.enqueue)
-                    pipe.execute()
-                    return len(fresh)
+                    results = pipe.execute(raise_on_error=False)
                 except WatchError:
                     continue
+            if not any(isinstance(r, Exception) for r in results):
+                return len(fresh)
+            self._undo_claim(batch, entries)
+        raise KevlayaError(f"batch {batch}: could not enqueue a chunk, its keys keep changing type; nothing was lost")
 
-    def _clear_the_way(self, batch: str, jobs: Sequence[Job]) -> None:
-        """Redis runs every command of a transaction even when one fails, so a key of the wrong type (a
-        hostile or broken writer) would leave an item claimed but not enqueued. Such keys are moved aside
-        (and recorded, as workers do) before the transaction."""
-        names = [self.queues[m].key for m in {j.model for j in jobs}]
-        names += [self.keys.batch_items(batch), self.keys.batch_item_set(batch)]
-        names += [job_key(job_id(batch, j.custom_id)) for j in jobs]
-        want = {self.keys.batch_item_set(batch): b"set"}
-        with self.redis.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.type(name)
-            types = pipe.execute()
-        for name, kind in zip(names, types, strict=True):
-            expected = want.get(name, b"hash" if name.startswith("rq:job:") else b"list")
-            if kind not in (b"none", expected):
-                self.quarantine.move_key(name, f"a {kind.decode()} where a {expected.decode()} belongs")
+    def _undo_claim(self, batch: str, entries: Sequence[Entry]) -> None:
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.srem(self.keys.batch_item_set(batch), *[e.job.custom_id for e in entries])
+            for e in entries:
+                pipe.lrem(self.keys.batch_items(batch), 1, e.job.custom_id)
+                pipe.lrem(self.queues[e.job.model].key, 1, e.job_id)
+            pipe.delete(*[job_key(e.job_id) for e in entries])
+            pipe.execute(raise_on_error=False)
 
     # ---- follow ---------------------------------------------------------------------------
     def status(self, batch: str) -> BatchRecord:
@@ -342,6 +359,8 @@ class Client:
                 pipe.multi()
                 pipe.hdel(results, row["custom_id"])
                 pipe.hincrby(key, "failed", -1)
+                pipe.hdel(key, "notified_at")  # the batch is announced again when it finishes again
+                pipe.hdel(job_key(jid), "kevlaya_crashes")  # a fresh start: earlier crashes no longer count
                 if row.get("escalated_from"):
                     pipe.hincrby(key, "followups_done", -1)
                 enqueue_entries(pipe, self.queues, [Entry(jid, job)], self.enqueue)
@@ -356,7 +375,8 @@ class Client:
 
         The flag is set first, so a worker that takes one of these jobs in the meantime cancels it too.
         """
-        self.status(batch)  # raises BatchNotFoundError for an unknown batch
+        if self.status(batch).complete:  # raises BatchNotFoundError for an unknown batch
+            return 0  # nothing left to cancel: a finished batch keeps its status
         self.redis.hset(self.keys.batch(batch), mapping={"cancel_requested": "1", "cancelled_at": repr(time.time())})
         custom_ids = [c.decode() for c in self.redis.lrange(self.keys.batch_items(batch), 0, -1)]
         by_id = {job_id(batch, c): c for c in custom_ids}

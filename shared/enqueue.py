@@ -16,10 +16,14 @@ from rq.job import JobStatus
 from rq.queue import EnqueueData
 from rq.registry import CanceledJobRegistry
 
+from shared.errors import KevlayaError
 from shared.job import Job
 from shared.jobfunc import RUN_DECISION
 from shared.keys import Keys
+from shared.quarantine import Quarantine, clear_the_way
 from shared.serializer import serializer
+
+ENQUEUE_TRIES = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,15 +62,31 @@ def enqueue_entries(
             queue.enqueue_many(datas, pipeline=pipe)
 
 
+def expected_types(queues: Mapping[str, Queue], entries: Sequence[Entry]) -> dict[str, str]:
+    """The Redis types an enqueue of these entries writes into (see shared.quarantine.clear_the_way)."""
+    out = {queues[m].key: "list" for m in {e.job.model for e in entries}}
+    out[Queue.redis_queues_keys] = "set"
+    out.update({job_key(e.job_id): "hash" for e in entries})
+    return out
+
+
 def enqueue_absent(
-    redis: Redis, queues: Mapping[str, Queue], entries: Sequence[Entry], settings: EnqueueSettings
+    redis: Redis,
+    queues: Mapping[str, Queue],
+    entries: Sequence[Entry],
+    settings: EnqueueSettings,
+    quarantine: Quarantine,
 ) -> list[Entry]:
     """Enqueue the entries whose job does not exist yet, in one transaction (WATCH on their job keys, so
-    two workers re-running the same parent cannot both enqueue its follow-up). Returns those enqueued."""
+    two workers re-running the same parent cannot both enqueue its follow-up). Returns those enqueued.
+
+    A transaction that still failed a command (a key replaced with another type meanwhile) is undone --
+    the job hashes it created are deleted, so "exists" cannot hide a job that is in no queue -- and tried
+    again after the keys are moved aside."""
     if not entries:
         return []
     names = [job_key(e.job_id) for e in entries]
-    while True:
+    for _ in range(ENQUEUE_TRIES):
         with redis.pipeline() as pipe:
             try:
                 pipe.watch(*names)
@@ -74,12 +94,16 @@ def enqueue_absent(
                 fresh = [e for e, found in zip(entries, exists, strict=True) if not found]
                 if not fresh:
                     return []
+                clear_the_way(redis, quarantine, expected_types(queues, fresh))
                 pipe.multi()
                 enqueue_entries(pipe, queues, fresh, settings)
-                pipe.execute()
-                return fresh
+                results = pipe.execute(raise_on_error=False)
             except WatchError:
                 continue
+        if not any(isinstance(r, Exception) for r in results):
+            return fresh
+        redis.delete(*[job_key(e.job_id) for e in fresh])
+    raise KevlayaError(f"could not enqueue {len(entries)} follow-up(s): their keys keep changing type")
 
 
 def _data(entry: Entry, settings: EnqueueSettings) -> EnqueueData:

@@ -58,6 +58,10 @@ class Keys:
         """Hash: custom_id -> the non-final (escalated) Laya result JSON."""
         return f"{self.prefix}batch:{batch}:steps"
 
+    def batch_submits(self, batch: str) -> str:
+        """Sorted set: submits still writing into the batch -> their last sign of life (a dead one ages out)."""
+        return f"{self.prefix}batch:{batch}:submits"
+
     def batch_running(self, batch: str) -> str:
         """Set: job ids a worker has taken and not yet finalised."""
         return f"{self.prefix}batch:{batch}:running"
@@ -73,6 +77,10 @@ class Keys:
     def outbox_sending(self, worker: str) -> str:
         """List: the notice a worker is delivering (moved back to the outbox if it dies meanwhile)."""
         return f"{self.prefix}w:notices:{worker}"
+
+    def notice_senders(self) -> str:
+        """Set: workers that deliver notices (recovery returns a dead one's notice in flight)."""
+        return f"{self.prefix}w:notice-senders"
 
     def batches(self) -> str:
         """Sorted set: batch id -> created timestamp."""
@@ -114,4 +122,5 @@ class Keys:
             self.batch_results(batch),
             self.batch_steps(batch),
             self.batch_running(batch),
+            self.batch_submits(batch),
         ]

@@ -70,3 +70,18 @@ class Quarantine:
         except redis.exceptions.ResponseError:
             return  # gone meanwhile
         self.put(name, f"{reason}; renamed to {target}", name)
+
+
+def clear_the_way(redis: Redis, quarantine: Quarantine, expected: dict[str, str]) -> None:
+    """Redis runs every command of a transaction even when one fails, so a key of the wrong type (a hostile
+    or broken writer) would leave a transaction half applied. Keys that are not of their expected type
+    (`name -> "list" | "set" | "hash" | "zset"`) are moved aside, and recorded, before it."""
+    names = list(expected)
+    with redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.type(name)
+        kinds = pipe.execute()
+    for name, kind in zip(names, kinds, strict=True):
+        found = kind.decode() if isinstance(kind, bytes) else str(kind)
+        if found not in ("none", expected[name]):
+            quarantine.move_key(name, f"a {found} where a {expected[name]} belongs")

@@ -18,6 +18,7 @@ from shared.lifecycle import batch_status
 from shared.result import Result
 
 DEFAULT_BATCH_TTL_S = 7 * 24 * 3600
+SUBMIT_ALIVE_S = 120  # a submit that has not written for this long is taken for dead (the batch is not held open)
 _READ_CHUNK = 1000
 
 # Records one result atomically. A final result is kept only if the item has none yet (HSETNX), so a
@@ -32,24 +33,45 @@ _READ_CHUNK = 1000
 # HTTP POST (workers deliver it). KEYS: batch hash, id set, outbox. ARGV: batch id, now, events channel
 # (an argument, not a key: it is no key, and ACL key patterns would refuse it).
 _NOTIFY_LUA = """
-local function notify_if_done(hash, ids, channel, outbox, batch, now)
-  local c = redis.call('HMGET', hash, 'finished', 'failed', 'cancelled', 'expired', 'submitting', 'notify_url')
-  if c[5] == '1' then return 0 end
+local function notify_if_done(hash, ids, channel, outbox, batch, now, submits)
+  if redis.call('TYPE', submits).ok == 'zset' and redis.call('ZCOUNT', submits, now - SUBMIT_ALIVE_S, '+inf') > 0 then
+    return 0
+  end
+  local c = redis.call('HMGET', hash, 'finished', 'failed', 'cancelled', 'expired', 'notify_url')
   local done = (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0) + (tonumber(c[4]) or 0)
   local total = redis.call('SCARD', ids)
   if total == 0 or done < total then return 0 end
   if redis.call('HSETNX', hash, 'notified_at', now) == 0 then return 0 end
   redis.call('PUBLISH', channel, batch)
-  if c[6] then redis.call('LPUSH', outbox, cjson.encode({batch = batch, url = c[6], at = now})) end
+  local ot = redis.call('TYPE', outbox).ok
+  if c[5] and (ot == 'list' or ot == 'none') then
+    redis.call('LPUSH', outbox, cjson.encode({batch = batch, url = c[5], at = now}))
+  end
   return 1
 end
-"""
+""".replace("SUBMIT_ALIVE_S", str(SUBMIT_ALIVE_S))
 
+# Every key is type-checked before the first write, and counters are read with tonumber() and set, so no
+# command after the result's HSETNX can fail (a script that fails half-way keeps its writes).
 _RECORD_LUA = (
     _NOTIFY_LUA
     + """
+local want = {'hash', 'hash', 'set', 'hash', 'set'}
+local skip = ARGV[6] == '1' and 4 or 1  -- a final answer never writes the steps, a step never the results
+for i = 1, 5 do
+  local t = redis.call('TYPE', KEYS[i]).ok
+  if i ~= skip and i ~= 3 and t ~= 'none' and t ~= want[i] then
+    return redis.error_reply('KEVLAYA_BAD_BATCH ' .. KEYS[i] .. ' is a ' .. t)
+  end
+end
+-- The running set is bookkeeping only: of another type, it is left alone rather than costing the answer.
+local rt = redis.call('TYPE', KEYS[3]).ok
+local function unrun() if rt == 'set' then redis.call('SREM', KEYS[3], ARGV[5]) end end
+local function bump(field)
+  redis.call('HSET', KEYS[2], field, (tonumber(redis.call('HGET', KEYS[2], field)) or 0) + 1)
+end
 if redis.call('SISMEMBER', KEYS[5], ARGV[1]) == 0 then
-  redis.call('SREM', KEYS[3], ARGV[5])
+  unrun()
   return -1
 end
 local ttl = redis.call('PTTL', KEYS[2])
@@ -57,27 +79,31 @@ local first = 0
 if ARGV[6] == '1' then
   first = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
   if first == 1 then
-    redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+    bump(ARGV[3])
     redis.call('HSETNX', KEYS[2], 'first_done_at', ARGV[4])
     redis.call('HSET', KEYS[2], 'last_done_at', ARGV[4])
-    if ARGV[7] == '1' then redis.call('HINCRBY', KEYS[2], 'followups_done', 1) end
+    if ARGV[7] == '1' then bump('followups_done') end
   end
 else
   first = redis.call('HSETNX', KEYS[4], ARGV[1], ARGV[2])
-  if first == 1 then redis.call('HINCRBY', KEYS[2], 'escalated', 1) end
+  if first == 1 then bump('escalated') end
 end
-redis.call('SREM', KEYS[3], ARGV[5])
+unrun()
 if ttl > 0 then
   for i = 1, 4 do
     if i ~= 2 and redis.call('EXISTS', KEYS[i]) == 1 then redis.call('PEXPIRE', KEYS[i], ttl) end
   end
 end
-if first == 1 and ARGV[6] == '1' then notify_if_done(KEYS[2], KEYS[5], ARGV[9], KEYS[6], ARGV[8], ARGV[4]) end
+if first == 1 and ARGV[6] == '1' then
+  notify_if_done(KEYS[2], KEYS[5], ARGV[9], KEYS[6], ARGV[8], tonumber(ARGV[4]), KEYS[7])
+end
 return first
 """
 )
 
-_NOTIFY_IF_DONE_LUA = _NOTIFY_LUA + "return notify_if_done(KEYS[1], KEYS[2], ARGV[3], KEYS[3], ARGV[1], ARGV[2])\n"
+_NOTIFY_IF_DONE_LUA = (
+    _NOTIFY_LUA + "return notify_if_done(KEYS[1], KEYS[2], ARGV[3], KEYS[3], ARGV[1], tonumber(ARGV[2]), KEYS[4])\n"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,7 +160,7 @@ class BatchRecord:
 
     @property
     def complete(self) -> bool:
-        return self.counts.done >= self.counts.total
+        return self.counts.done >= self.counts.total and not self.submitting
 
     def rate_per_s(self, now: float) -> float | None:
         """Items finalised per second since the first one, or None before two points exist."""
@@ -194,6 +220,7 @@ def record_result(redis: Redis, keys: Keys, result: Result, *, counter: str | No
             keys.batch_steps(result.batch),
             keys.batch_item_set(result.batch),
             keys.outbox(),
+            keys.batch_submits(result.batch),
         ],
         args=[
             result.custom_id,
@@ -215,7 +242,8 @@ def notify_if_done(redis: Redis, keys: Keys, batch: str) -> bool:
     before it finished writing calls this at its end)."""
     script = redis.register_script(_NOTIFY_IF_DONE_LUA)
     args = [batch, repr(time.time()), keys.events()]
-    return bool(script(keys=[keys.batch(batch), keys.batch_item_set(batch), keys.outbox()], args=args))
+    names = [keys.batch(batch), keys.batch_item_set(batch), keys.outbox(), keys.batch_submits(batch)]
+    return bool(script(keys=names, args=args))
 
 
 def _counter_for(result: Result) -> str:
@@ -229,19 +257,24 @@ def read_batch(redis: Redis, keys: Keys, batch: str) -> BatchRecord:
     or again after a partial failure) counts once."""
     with redis.pipeline(transaction=False) as pipe:
         queue_record_reads(pipe, keys, batch)
-        raw, running, total = pipe.execute()
-    return batch_record(batch, raw, running, total)
+        raw, running, total, submits = pipe.execute(raise_on_error=False)
+    return batch_record(batch, raw, running, total, submits)
 
 
 def queue_record_reads(pipe: Any, keys: Keys, batch: str) -> None:
-    """The three reads a batch record is built from, queued on a (sync or asyncio) pipeline."""
+    """The reads a batch record is built from, queued on a (sync or asyncio) pipeline."""
     pipe.hgetall(keys.batch(batch))
     pipe.scard(keys.batch_running(batch))
     pipe.scard(keys.batch_item_set(batch))
+    pipe.zcount(keys.batch_submits(batch), time.time() - SUBMIT_ALIVE_S, "+inf")
 
 
-def batch_record(batch: str, raw: dict[bytes, bytes], running: int, total: int) -> BatchRecord:
-    """A batch's record from what `queue_record_reads` read."""
+def batch_record(batch: str, raw: dict[bytes, bytes], running: int, total: int, submits: int = 0) -> BatchRecord:
+    """A batch's record from what `queue_record_reads` read (a read that failed -- a key some writer gave
+    another type -- counts as empty; an unreadable record as no batch)."""
+    running, total, submits = (n if isinstance(n, int) else 0 for n in (running, total, submits))
+    if isinstance(raw, Exception):
+        raise BatchNotFoundError(f"batch {batch!r} has an unreadable record ({raw})")
     if not raw:
         raise BatchNotFoundError(f"no batch {batch!r} (never submitted, or expired)")
     h = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()}
@@ -270,7 +303,7 @@ def batch_record(batch: str, raw: dict[bytes, bytes], running: int, total: int) 
         escalate_off=h.get("escalate_off") == "1",
         window_ends_at=_float(h, "window_ends_at"),
         cancelled_at=_float(h, "cancelled_at"),
-        submitting=h.get("submitting") == "1",
+        submitting=submits > 0,
     )
 
 
@@ -312,18 +345,19 @@ def batch_flags(redis: Redis, keys: Keys, batch: str, *, now: float | None = Non
     return BatchFlags(cancel == b"1", no_escalate == b"1", ends is not None and now > ends)
 
 
-def promote_step(redis: Redis, keys: Keys, batch: str, custom_id: str) -> bool:
-    """End an item with its computed Laya answer when the Kev follow-up it escalated to is cancelled.
-    True when the item now has a final answer (this one, or one written before)."""
-    raw = redis.hget(keys.batch_steps(batch), custom_id)
-    if raw is None:
-        return False
+def promote_step(redis: Redis, keys: Keys, batch: str, custom_id: str, *, reason: str = CANCELLED) -> bool:
+    """End an item with its computed first answer when the follow-up it escalated to is cancelled or its
+    batch expired (`reason`). True when the item now has a final answer (this one, or one written before);
+    False when there is no readable step (the caller ends the item otherwise)."""
     try:
+        raw = redis.hget(keys.batch_steps(batch), custom_id)
+        if raw is None:
+            return False
         step = Result.from_json(raw)
-    except (orjson.JSONDecodeError, TypeError):
+        final = replace(step, final=True, escalated_to=None, not_escalated=reason)
+        return record_result(redis, keys, final) is not None
+    except (orjson.JSONDecodeError, TypeError, ValueError, redis_exceptions.ResponseError):
         return False
-    final = replace(step, final=True, escalated_to=None, not_escalated=CANCELLED)
-    return record_result(redis, keys, final) is not None
 
 
 def trim_indexes(redis: Redis, keys: Keys, *, batch_age_s: float, worker_age_s: float) -> None:
@@ -381,7 +415,9 @@ def iter_export(redis: Redis, keys: Keys, batch: str) -> Iterator[dict[str, Any]
         with redis.pipeline(transaction=False) as pipe:
             pipe.hmget(keys.batch_results(batch), ids)
             pipe.hmget(keys.batch_steps(batch), ids)
-            finals, steps = pipe.execute()
+            finals, steps = (
+                r if isinstance(r, list) else [None] * len(ids) for r in pipe.execute(raise_on_error=False)
+            )
         for cid, final, step in zip(ids, finals, steps, strict=True):
             yield _export_row(cid.decode(), final, step)
         start += _READ_CHUNK

@@ -3,12 +3,14 @@ cost a real job a retry. Each case reproduces a write that stopped every worker 
 
 from __future__ import annotations
 
+import contextlib
 import random
 import zlib
 
 import orjson
 import pytest
 from redis import Redis
+from redis import exceptions as redis_exceptions
 
 from producer.client import Client
 from shared.keys import Keys
@@ -115,50 +117,66 @@ def _hostile_round(redis: Redis, rng: random.Random, batch: str) -> int:
     """Write garbage into keys a producer can write, beside (never over) the real jobs. Returns writes made."""
     writes = 0
     for _ in range(rng.randrange(3, 9)):
-        fake = f"fz{rng.randrange(10**9)}"
-        choice = rng.randrange(10)
-        queue = rng.choice([QUEUE, "rq:queue:kevlaya:kev"])
-        if choice == 0:
-            redis.rpush(queue, _random_bytes(rng))
-        elif choice == 1:
-            kind = rng.choice(["list", "set", "zset", "string"])
-            {"list": redis.rpush, "set": redis.sadd}.get(kind, lambda k, v: redis.set(k, v))(
-                f"rq:job:{fake}", "x"
-            ) if kind != "zset" else redis.zadd(f"rq:job:{fake}", {"x": 1})
-            redis.rpush(queue, fake)
-        elif choice == 2:
-            fields = {
-                f: _random_bytes(rng) for f in ("data", "enqueued_at", "kevlaya_attempts", "retries_left", "status")
-            }
-            redis.hset(f"rq:job:{fake}", mapping=fields)
-            redis.rpush(queue, fake)
-        elif choice == 3:
-            redis.rpush(queue, fake)  # no hash at all
-        elif choice == 4:
-            queued = redis.lrange(QUEUE, 0, -1)
-            if queued:
-                redis.hset(b"rq:job:" + rng.choice(queued), "kevlaya_attempts", _random_bytes(rng))
-        elif choice == 5:
-            redis.zadd(rng.choice([STARTED, "rq:wip:kevlaya:kev"]), {_random_bytes(rng) + b":x.y.1": 1})
-        elif choice == 6:
-            payload = {"custom_id": "forged", "model": "laya", "prompt": "p", "batch": batch}
-            data = zlib.compress(orjson.dumps(["worker.jobs.run_decision", None, [payload], {}]))
-            redis.hset(f"rq:job:{fake}", mapping={"data": data})
-            redis.rpush(QUEUE, fake)
-        elif choice == 7:
-            other = f"kevlaya:batch:fz{rng.randrange(10**6)}"
-            redis.rpush(other, "x")
-            payload = {"custom_id": "c", "model": "laya", "prompt": "p", "batch": other.split(":")[-1]}
-            data = zlib.compress(orjson.dumps(["worker.jobs.run_decision", None, [payload], {}]))
-            redis.hset(f"rq:job:{fake}", mapping={"data": data})
-            redis.rpush(QUEUE, fake)
-        elif choice == 8:
-            redis.rpush(queue + ":intermediate", _random_bytes(rng))
-        else:
-            redis.hset(f"rq:job:{fake}", mapping={"data": _random_bytes(rng), "kevlaya_crashes": _random_bytes(rng)})
-            redis.rpush(queue, fake)
-        writes += 1
+        with contextlib.suppress(redis_exceptions.ResponseError):  # a hostile write may fail on an earlier one
+            writes += _hostile_write(redis, rng, batch)
     return writes
+
+
+def _hostile_write(redis: Redis, rng: random.Random, batch: str) -> int:
+    fake = f"fz{rng.randrange(10**9)}"
+    choice = rng.randrange(14)
+    queue = rng.choice([QUEUE, "rq:queue:kevlaya:kev"])
+    if choice == 0:
+        redis.rpush(queue, _random_bytes(rng))
+    elif choice == 1:
+        kind = rng.choice(["list", "set", "zset", "string"])
+        {"list": redis.rpush, "set": redis.sadd}.get(kind, lambda k, v: redis.set(k, v))(
+            f"rq:job:{fake}", "x"
+        ) if kind != "zset" else redis.zadd(f"rq:job:{fake}", {"x": 1})
+        redis.rpush(queue, fake)
+    elif choice == 2:
+        fields = {f: _random_bytes(rng) for f in ("data", "enqueued_at", "kevlaya_attempts", "retries_left", "status")}
+        redis.hset(f"rq:job:{fake}", mapping=fields)
+        redis.rpush(queue, fake)
+    elif choice == 3:
+        redis.rpush(queue, fake)  # no hash at all
+    elif choice == 4:
+        queued = redis.lrange(QUEUE, 0, -1)
+        if queued:
+            redis.hset(b"rq:job:" + rng.choice(queued), "kevlaya_attempts", _random_bytes(rng))
+    elif choice == 5:
+        redis.zadd(rng.choice([STARTED, "rq:wip:kevlaya:kev"]), {_random_bytes(rng) + b":x.y.1": 1})
+    elif choice == 6:
+        payload = {"custom_id": "forged", "model": "laya", "prompt": "p", "batch": batch}
+        data = zlib.compress(orjson.dumps(["worker.jobs.run_decision", None, [payload], {}]))
+        redis.hset(f"rq:job:{fake}", mapping={"data": data})
+        redis.rpush(QUEUE, fake)
+    elif choice == 7:
+        other = f"kevlaya:batch:fz{rng.randrange(10**6)}"
+        redis.rpush(other, "x")
+        payload = {"custom_id": "c", "model": "laya", "prompt": "p", "batch": other.split(":")[-1]}
+        data = zlib.compress(orjson.dumps(["worker.jobs.run_decision", None, [payload], {}]))
+        redis.hset(f"rq:job:{fake}", mapping={"data": data})
+        redis.rpush(QUEUE, fake)
+    elif choice == 8:
+        redis.rpush(queue + ":intermediate", _random_bytes(rng))
+    elif choice == 10:  # garbage counters and fields in the real batch's record
+        field = rng.choice(["finished", "failed", "escalated", "followups_done", "window_ends_at", "created_at"])
+        redis.hset(Keys().batch(batch), field, _random_bytes(rng))
+    elif choice == 11:  # the batch's running set and steps of another type
+        key = rng.choice([Keys().batch_running(batch), Keys().batch_steps(batch), Keys().batch_submits(batch)])
+        redis.delete(key)
+        redis.set(key, _random_bytes(rng) or b"x")
+    elif choice == 12:  # RQ's queue set and the notice outbox
+        key = rng.choice(["rq:queues", Keys().outbox()])
+        redis.delete(key)
+        redis.set(key, _random_bytes(rng) or b"x")
+    elif choice == 13:
+        redis.lpush(Keys().outbox(), _random_bytes(rng))
+    else:
+        redis.hset(f"rq:job:{fake}", mapping={"data": _random_bytes(rng), "kevlaya_crashes": _random_bytes(rng)})
+        redis.rpush(queue, fake)
+    return 1
 
 
 def test_fuzz_hostile_writes_between_real_jobs(client: Client, redis: Redis) -> None:

@@ -9,6 +9,7 @@ escalations enqueued as follow-ups, RQ's registries updated.
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import socket
 import threading
@@ -23,7 +24,7 @@ from redis import Redis
 
 from shared.conn import redis_problem
 from shared.enqueue import EnqueueSettings
-from shared.errors import INTERNAL, RedisUnavailableError
+from shared.errors import INTERNAL, ConfigError, RedisUnavailableError
 from shared.job import Job
 from shared.keys import Keys
 from shared.store import BatchFlags
@@ -63,6 +64,20 @@ class EngineLike(Protocol):
     def expect(self, job: Job) -> None: ...
 
 
+NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def worker_name(name: str | None) -> str:
+    """The given --name (letters, digits, '_', '.', '-': it is part of every started-registry entry, where ':'
+    separates fields), or host + random suffix with other characters replaced."""
+    if name is not None:
+        if not NAME_RE.match(name):
+            raise ConfigError(f"--name {name!r}: use 1-128 letters, digits, '_', '.' or '-'")
+        return name
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:80]
+    return f"kevlaya-{host}-{uuid.uuid4().hex[:8]}"
+
+
 class BatchWorker:
     """A non-forking worker: models stay resident in this process for its whole life."""
 
@@ -80,7 +95,7 @@ class BatchWorker:
         self.config = config
         self.settings = settings = settings or WorkerSettings()
         self.keys = Keys(settings.prefix)
-        self.name = settings.name or f"kevlaya-{socket.gethostname()}-{uuid.uuid4().hex[:8]}".replace(":", "-")
+        self.name = worker_name(settings.name)
         self.bridge = RQBridge(redis, self.keys, config.names, self.name)
         self.stats = WorkerStats()
         enqueue = EnqueueSettings(ttl_s=settings.result_ttl_s, retries=settings.followup_retries)
@@ -152,6 +167,12 @@ class BatchWorker:
                     # lapses, and recovery requeues it once Redis is back. Nothing is lost, nothing doubled.
                     log.warning("redis unavailable (%s); retrying", exc)
                     self._redis_ok_since = time.time()
+                    self._stop.wait(1.0)
+                except redis.exceptions.ResponseError as exc:
+                    # A key some writer replaced with another type where no check caught it: the take's
+                    # entries lapse and go back to their queue (no crash charged); the worker goes on.
+                    log.exception("redis refused a command (%s); carrying on", exc)
+                    self.bridge.quarantine.put("worker loop", f"redis refused a command: {exc}", "")
                     self._stop.wait(1.0)
         finally:
             self.ready.clear()

@@ -72,7 +72,7 @@ class WorkerCollector:
             "kevlaya_queue_oldest_wait_seconds", "Wait of the oldest queued job.", labels=["model"]
         )
         try:
-            facts = self.worker.bridge.queue_facts()
+            facts = self.worker.bridge.queue_facts(move_aside=False)
         except redis.exceptions.RedisError:
             facts = {}
         now = time.time()

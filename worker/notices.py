@@ -9,6 +9,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 import orjson
 import redis.exceptions
@@ -24,7 +25,21 @@ RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0)  # after the first try: five tries over ~1
 
 
 def allowed(url: str, allow: Sequence[str]) -> bool:
-    return any(url.startswith(prefix) for prefix in allow)
+    """Scheme, host and port equal to an allowed URL's, and its path under that URL's path: a bare string
+    prefix would admit `https://hooks.example.com.evil.net/` or `https://hooks.example.com@evil.net/`."""
+    try:
+        got = urlsplit(url)
+        got_port = got.port
+    except ValueError:
+        return False
+    if got.username or got.password:
+        return False
+    for prefix in allow:
+        want = urlsplit(prefix)
+        same_origin = (got.scheme, got.hostname, got_port) == (want.scheme, want.hostname, want.port)
+        if same_origin and got.path.startswith(want.path or "/"):
+            return True
+    return False
 
 
 class Notifier:
@@ -35,11 +50,13 @@ class Notifier:
         self.keys = keys
         self.allow = tuple(allow)
         self.stop = stop
+        self.worker = worker
         self.sending = keys.outbox_sending(worker)
         self.delivered = 0
         self.thread = threading.Thread(target=self._run, daemon=True, name="notices")
 
     def start(self) -> Notifier:
+        self.redis.sadd(self.keys.notice_senders(), self.worker)  # recovery returns our notice if we die
         self.thread.start()
         return self
 
@@ -49,16 +66,19 @@ class Notifier:
                 self._requeue_leftovers()
                 raw = self.redis.blmove(self.keys.outbox(), self.sending, 1.0, "RIGHT", "LEFT")
                 if raw is not None:
-                    self._deliver(raw)
-                    self.redis.lrem(self.sending, 1, raw)
+                    try:
+                        self._deliver(raw)
+                    except Exception:  # one bad notice (its batch gone, garbage) never stops the others
+                        log.exception("notices: dropping a notice that could not be delivered: %r", raw[:200])
+                    finally:
+                        self.redis.lrem(self.sending, 1, raw)
             except redis.exceptions.RedisError as exc:
                 log.warning("notices: redis unavailable (%s)", exc)
                 self.stop.wait(1.0)
 
     def _requeue_leftovers(self) -> None:
-        """A notice this worker was sending when it died goes back to the outbox."""
-        while self.redis.lmove(self.sending, self.keys.outbox(), "RIGHT", "RIGHT") is not None:
-            pass
+        """A notice this worker was sending when it died (under the same name) goes back to the outbox."""
+        return_notices(self.redis, self.keys, self.worker)
 
     def _deliver(self, raw: bytes) -> None:
         try:
@@ -89,3 +109,11 @@ def _post(url: str, body: bytes) -> bool:
     except (urllib.error.URLError, TimeoutError, OSError) as exc:
         log.warning("notices: POST to %s failed: %s", url, exc)
         return False
+
+
+def return_notices(redis: Redis, keys: Keys, worker: str) -> int:
+    """Move a worker's notices in flight back to the outbox (it died, or restarted); returns how many."""
+    moved = 0
+    while redis.lmove(keys.outbox_sending(worker), keys.outbox(), "RIGHT", "RIGHT") is not None:
+        moved += 1
+    return moved

@@ -16,10 +16,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import redis.exceptions
 from redis import Redis
 
 from shared.keys import Keys
 from shared.store import trim_indexes
+from worker.notices import return_notices
 
 if TYPE_CHECKING:
     from worker.rqcompat import Abandoned, RQBridge
@@ -84,12 +86,23 @@ class RecoveryPass:
                     takes.setdefault(e.exec_id, []).append(e)
             for dead_take in takes.values():
                 self._recover_take(model, dead_take)
-            for job_id in self.bridge.stuck_intermediate(model, older_than_s=STUCK_INTERMEDIATE_S):
-                self.bridge.requeue_front(model, job_id)
-                self.stats.recovered += 1
+            self.stats.recovered += len(self.bridge.unstick_intermediate(model, older_than_s=STUCK_INTERMEDIATE_S))
+        self._return_dead_senders_notices()
         self.bridge.cleanup_registries()
         trim_indexes(self.redis, self.keys, batch_age_s=batch_ttl_s, worker_age_s=WORKER_INDEX_AGE_S)
         self.stats.quarantined = self.bridge.quarantine.count
+
+    def _return_dead_senders_notices(self) -> None:
+        try:
+            senders = self.redis.smembers(self.keys.notice_senders())
+        except redis.exceptions.ResponseError:
+            return
+        for raw in senders:
+            name = raw.decode("utf-8", "replace")
+            if not self.bridge.worker_alive(name):
+                if return_notices(self.redis, self.keys, name):
+                    log.warning("returned the notice worker %s was sending when it died", name)
+                self.redis.srem(self.keys.notice_senders(), raw)
 
     def _recover_take(self, model: str, entries: list[Abandoned]) -> None:
         ids = [e.job_id for e in entries]

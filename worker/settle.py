@@ -146,14 +146,15 @@ class Settler:
         with self.redis.pipeline(transaction=False) as pipe:
             for row in rows:
                 if row.job is not None and row.job.batch:
-                    pipe.sadd(self.keys.batch_running(row.job.batch), row.raw.id)
+                    pipe.sadd(self.keys.batch_running(row.job.batch), row.raw.id)  # fails alone if not a set
                     pipe.expire(self.keys.batch_running(row.job.batch), self.enqueue.ttl_s)
             pipe.execute(raise_on_error=False)
 
     def _closed(self, row: Row, job: Job, error_type: str, message: str) -> Row:
         """A job of a cancelled or expired batch. A follow-up whose parent's answer exists ends the item with
         that answer (computed work is kept); anything else ends with `error_type`."""
-        if job.parent is not None and job.batch and promote_step(self.redis, self.keys, job.batch, job.custom_id):
+        keeps_parent = job.parent is not None and job.batch is not None
+        if keeps_parent and promote_step(self.redis, self.keys, job.batch or "", job.custom_id, reason=error_type):
             return replace(row, job=None)
         return replace(row, job=job, result=self.failure(row, job, error_type, message))
 
@@ -173,7 +174,7 @@ class Settler:
 
     @staticmethod
     def failure(row: Row, job: Job, error_type: str, message: str) -> Result:
-        return Result.failure(
+        result = Result.failure(
             custom_id=job.custom_id,
             model=job.model,
             job_id=row.raw.id,
@@ -182,6 +183,8 @@ class Settler:
             message=message,
             meta=job.meta,
         )
+        # A follow-up that fails still answers an escalated item (the batch counts it as settled).
+        return replace(result, escalated_from=job.parent.job_id) if job.parent else result
 
     def to_result(self, row: Row, out: RowOutput, *, engine_s: float, batch_size: int, flags: BatchFlags) -> Result:
         job = row.job
@@ -228,7 +231,7 @@ class Settler:
             for row in rows
             if row.job is not None and row.result is not None and row.result.escalated_to
         ]
-        created = enqueue_absent(self.redis, self.queues, entries, self.enqueue)
+        created = enqueue_absent(self.redis, self.queues, entries, self.enqueue, self.bridge.quarantine)
         duplicates = 0
         by_model: dict[str, list[tuple[str, str | None]]] = {}
         for row in rows:

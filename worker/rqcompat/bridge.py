@@ -24,7 +24,7 @@ from shared.serializer import serializer
 from worker.rqcompat.decode import RawJob, decode_job, parse_rq_time, rq_now, valid_id
 from worker.rqcompat.reclaim import Reclaim
 from worker.rqcompat.registration import Registration
-from worker.rqcompat.scripts import _RECOVER_LUA, _REQUEUE_LUA, _TAKE_GROUP_LUA, _TAKE_LUA
+from worker.rqcompat.scripts import _RECOVER_LUA, _REQUEUE_LUA, _TAKE_GROUP_LUA, _TAKE_LUA, _UNSTICK_LUA
 
 _JOB_PREFIX = RQJob.redis_job_namespace_prefix
 
@@ -62,12 +62,14 @@ class RQBridge(Registration, Reclaim):
         self._take_group = redis.register_script(_TAKE_GROUP_LUA)
         self._recover = redis.register_script(_RECOVER_LUA)
         self._requeue = redis.register_script(_REQUEUE_LUA)
+        self._unstick = redis.register_script(_UNSTICK_LUA)
         self._seq = 0
         self.exec_id = f"{worker_name}.{self.incarnation}.0"
 
     # ---- queue facts for the policy -----------------------------------------------------------
-    def queue_facts(self) -> dict[str, QueueFacts]:
-        """Per model: queue length, the head job's enqueue time, and suspect groups waiting."""
+    def queue_facts(self, *, move_aside: bool = True) -> dict[str, QueueFacts]:
+        """Per model: queue length, the head job's enqueue time, and suspect groups waiting. A key of the wrong
+        type reads as empty and (unless `move_aside` is False: a metrics scrape writes nothing) is moved aside."""
         models = list(self.queues)
         with self.redis.pipeline(transaction=False) as pipe:
             for m in models:
@@ -83,9 +85,9 @@ class RQBridge(Registration, Reclaim):
         out = {}
         for i, m in enumerate(models):
             depth, groups = raw[3 * i], raw[3 * i + 2]
-            if isinstance(depth, Exception):
+            if isinstance(depth, Exception) and move_aside:
                 self.quarantine.move_key(self.queues[m].key, "queue key is not a list")
-            if isinstance(groups, Exception):
+            if isinstance(groups, Exception) and move_aside:
                 self.quarantine.move_key(self.keys.suspects(m), "suspects key is not a list")
             when = times[i] if isinstance(times[i], bytes) else None
             out[m] = QueueFacts(

@@ -46,6 +46,7 @@ class Reclaim:
     quarantine: Quarantine
     _recover: Any
     _requeue: Any
+    _unstick: Any
 
     def abandoned(self, model: str, *, in_flight: set[str], others: bool) -> list[Abandoned]:
         """Started entries nobody is working on any more:
@@ -89,10 +90,23 @@ class Reclaim:
         return {i: _int(v) if isinstance(v, bytes) else 0 for i, v in zip(ids, raw, strict=True)}
 
     def requeue_lost(self, model: str, entries: Sequence[Abandoned]) -> None:
-        """Our own entries we lost track of: back to the queue front as they were (no crash counted)."""
+        """Our own entries we lost track of: back to the queue front as they were (no crash counted). A queue
+        key of the wrong type is moved aside first (the script refuses before it removes anything)."""
         args = [x for e in entries for x in (e.member, e.job_id)]
         if args:
-            self._requeue(keys=[self.started[model].key, self.queues[model].key, _JOB_PREFIX], args=args)
+            self._script_on_queue(
+                model, self._requeue, [self.started[model].key, self.queues[model].key, _JOB_PREFIX], args
+            )
+
+    def _script_on_queue(self, model: str, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """Run a script that pushes onto the model's queue; once more after moving a wrong-typed queue aside."""
+        try:
+            return script(keys=keys, args=args)
+        except redis.exceptions.ResponseError as exc:
+            if "KEVLAYA_BAD_QUEUE" not in str(exc):
+                raise
+            self.quarantine.move_key(self.queues[model].key, "queue key is not a list")
+            return script(keys=keys, args=args)
 
     def to_suspects(
         self, model: str, entries: Sequence[Abandoned], crashes: dict[str, int], groups: Sequence[SuspectGroup]
@@ -108,8 +122,9 @@ class Reclaim:
         )
         return bool(done)
 
-    def stuck_intermediate(self, model: str, *, older_than_s: float) -> list[str]:
-        """Ids left in RQ's intermediate list (by RQ tooling or a stock worker) for longer than older_than_s."""
+    def unstick_intermediate(self, model: str, *, older_than_s: float) -> list[str]:
+        """Ids left in RQ's intermediate list (by RQ tooling or a stock worker) for longer than older_than_s,
+        moved back to the front of their queue (atomically). Returns them."""
         key = self.queues[model].intermediate_queue_key
         try:
             raws = self.redis.lrange(key, 0, -1)
@@ -130,15 +145,11 @@ class Reclaim:
                 first = float(self.redis.get(seen_key) or time.time())
             except ValueError:
                 first = 0.0
-            if time.time() - first > older_than_s and self.redis.lrem(key, 1, raw):
-                out.append(job_id)
+            if time.time() - first > older_than_s:
+                names = [key, self.queues[model].key, _JOB_PREFIX]
+                if self._script_on_queue(model, self._unstick, names, [job_id]):
+                    out.append(job_id)
         return out
-
-    def requeue_front(self, model: str, job_id: str) -> None:
-        with self.redis.pipeline() as pipe:
-            pipe.hset(RQJob.key_for(job_id), "status", "queued")
-            pipe.lpush(self.queues[model].key, job_id)
-            pipe.execute(raise_on_error=False)
 
     def pending_started(self) -> int:
         total = 0

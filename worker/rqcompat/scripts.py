@@ -79,6 +79,8 @@ return 1
 # Entries of our own that lost their heartbeat (Redis failed mid-write): back to the queue front, no crash.
 # KEYS: started registry, queue list, job key prefix. ARGV: (member, id)...
 _REQUEUE_LUA = """
+local qt = redis.call('TYPE', KEYS[2]).ok
+if qt ~= 'list' and qt ~= 'none' then return redis.error_reply('KEVLAYA_BAD_QUEUE') end
 for i = 1, #ARGV, 2 do
   if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
     local jk = KEYS[3] .. ARGV[i + 1]
@@ -86,5 +88,17 @@ for i = 1, #ARGV, 2 do
     redis.call('LPUSH', KEYS[2], ARGV[i + 1])
   end
 end
+return 1
+"""
+
+# Moves one id from RQ's intermediate list back to the front of its queue, atomically.
+# KEYS: intermediate list, queue list, job key prefix. ARGV: id.
+_UNSTICK_LUA = """
+local qt = redis.call('TYPE', KEYS[2]).ok
+if qt ~= 'list' and qt ~= 'none' then return redis.error_reply('KEVLAYA_BAD_QUEUE') end
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+local jk = KEYS[3] .. ARGV[1]
+if redis.call('TYPE', jk).ok == 'hash' then redis.pcall('HSET', jk, 'status', 'queued') end
+redis.call('LPUSH', KEYS[2], ARGV[1])
 return 1
 """

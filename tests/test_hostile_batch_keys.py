@@ -1,0 +1,159 @@
+"""Producer-writable keys of a batch, of RQ and of the notice outbox replaced with other types or garbage,
+at the worst moments: nothing is lost, counts stay exact, nothing stops (review findings, each reproduced
+first against the code before its fix)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import orjson
+import pytest
+from redis import Redis
+
+from producer.client import Client
+from shared.errors import ConfigError
+from shared.keys import Keys
+from tests.fakes import FAKE_CONFIG, FakeEngine
+from tests.worker_helpers import assert_each_item_answered_once
+from worker.loop import BatchWorker
+from worker.notices import Notifier, allowed
+from worker.settings import WorkerSettings
+
+K = Keys()
+
+
+def worker(redis: Redis, engine: FakeEngine | None = None, **settings) -> BatchWorker:
+    return BatchWorker(
+        redis, engine or FakeEngine(), FAKE_CONFIG, WorkerSettings(burst=True, worker_ttl_s=1, **settings)
+    )
+
+
+def test_a_cancelled_follow_up_with_wrong_typed_steps_ends_cancelled(client: Client, redis: Redis) -> None:
+    batch = client.submit_batch([{"custom_id": "a", "model": "laya", "prompt": "unsure"}]).id
+    w = worker(redis)
+    w._step()  # Laya answers and escalates
+    redis.hset(K.batch(batch), "cancel_requested", "1")
+    redis.delete(K.batch_steps(batch))
+    redis.set(K.batch_steps(batch), "x")
+    w.work()
+    (row,) = assert_each_item_answered_once(client, redis, batch, 1)
+    assert row["error"]["type"] == "cancelled"
+
+
+def test_a_garbage_counter_refuses_the_write_instead_of_half_writing(client: Client, redis: Redis) -> None:
+    batch = client.submit_batch(
+        [{"custom_id": f"x{i}", "model": "laya", "prompt": "p"} for i in range(3)], escalate=False
+    ).id
+    redis.hset(K.batch(batch), "finished", "abc")
+    worker(redis).work()
+    record = client.status(batch)
+    assert (record.counts.finished, record.counts.running) == (3, 0)  # 'abc' read as 0, then counted
+    assert record.status == "completed"
+
+
+def test_a_batch_hash_of_the_wrong_type_writes_nothing(client: Client, redis: Redis) -> None:
+    batch = client.submit_batch([{"custom_id": "x", "model": "laya", "prompt": "p"}], escalate=False).id
+    redis.delete(K.batch(batch))
+    redis.set(K.batch(batch), "x")
+    worker(redis).work()
+    assert redis.hlen(K.batch_results(batch)) == 0  # refused before any write, quarantined, not half-done
+    assert client.overview()["quarantine"]["total"] >= 1
+
+
+def test_a_running_set_of_the_wrong_type_costs_nothing(client: Client, redis: Redis) -> None:
+    batch = client.submit_batch([{"custom_id": "x", "model": "laya", "prompt": "p"}], escalate=False).id
+    redis.set(K.batch_running(batch), "x")
+    worker(redis).work()
+    assert_each_item_answered_once(client, redis, batch, 1)
+
+
+class Saboteur(FakeEngine):
+    """Replaces a key with a string while the engine runs (between the take and the writes)."""
+
+    def __init__(self, redis: Redis, key: str) -> None:
+        super().__init__()
+        self.redis, self.key, self.done = redis, key, False
+
+    def run(self, jobs, *, time_limit_s=None):
+        if not self.done:
+            self.done = True
+            self.redis.delete(self.key)
+            self.redis.set(self.key, "junk")
+        return super().run(jobs, time_limit_s=time_limit_s)
+
+
+@pytest.mark.parametrize("key", ["rq:queue:kevlaya:kev", "rq:queues"])
+def test_follow_ups_survive_a_queue_key_replaced_mid_batch(client: Client, redis: Redis, key: str) -> None:
+    items = [
+        {"custom_id": "a", "model": "laya", "prompt": "unsure"},
+        {"custom_id": "b", "model": "laya", "prompt": "ok"},
+    ]
+    batch = client.submit_batch(items).id
+    worker(redis, Saboteur(redis, key)).work()
+    rows = {r["custom_id"]: r for r in assert_each_item_answered_once(client, redis, batch, 2)}
+    assert rows["a"]["model"] == "kev" and rows["b"]["model"] == "laya"
+    assert client.status(batch).status == "completed"
+
+
+def test_submit_moves_a_wrong_typed_rq_queues_aside(client: Client, redis: Redis) -> None:
+    redis.set("rq:queues", "x")
+    handle = client.submit_batch([{"custom_id": f"a{i}", "model": "laya", "prompt": "p"} for i in range(1500)])
+    assert client.status(handle.id).counts.total == 1500 and redis.llen("rq:queue:kevlaya:laya") == 1500
+
+
+def test_requeue_of_lost_entries_into_a_wrong_typed_queue_loses_nothing(client: Client, redis: Redis) -> None:
+    batch = client.submit_batch(
+        [{"custom_id": f"a{i}", "model": "laya", "prompt": "p"} for i in range(3)], escalate=False
+    ).id
+    w = worker(redis)
+    w.bridge.begin_batch()
+    w.bridge.take("laya", 3, ttl_s=-5)  # taken, then lost track of (its heartbeat lapsed, not in flight)
+    redis.set("rq:queue:kevlaya:laya", "junk")
+    w._maybe_recover(force=True)
+    assert redis.llen("rq:queue:kevlaya:laya") == 3 and redis.zcard("rq:wip:kevlaya:laya") == 0
+    w.work()
+    assert_each_item_answered_once(client, redis, batch, 3)
+
+
+def test_a_bad_notice_does_not_stop_the_notifier(redis: Redis) -> None:
+    stop = threading.Event()
+    notifier = Notifier(redis, K, "w1", allow=["http://127.0.0.1:1/"], stop=stop).start()
+    redis.lpush(K.outbox(), orjson.dumps({"batch": "nope", "url": "http://127.0.0.1:1/x"}), b"\xff garbage")
+    time.sleep(2.5)
+    try:
+        assert notifier.thread.is_alive()
+        assert redis.llen(K.outbox()) == 0 and redis.llen(K.outbox_sending("w1")) == 0
+    finally:
+        stop.set()
+        notifier.thread.join(timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("url", "ok"),
+    [
+        ("https://hooks.example.com/kevlaya/done", True),
+        ("https://hooks.example.com.evil.net/kevlaya/x", False),
+        ("https://hooks.example.com@evil.net/kevlaya/x", False),
+        ("http://hooks.example.com/kevlaya/x", False),
+        ("https://hooks.example.com:8443/kevlaya/x", False),
+        ("https://hooks.example.com/other", False),
+    ],
+)
+def test_notice_allowlist_compares_origins_not_strings(url: str, ok: bool) -> None:
+    assert allowed(url, ["https://hooks.example.com/kevlaya"]) is ok
+
+
+def test_a_worker_name_with_separators_is_refused(redis: Redis) -> None:
+    with pytest.raises(ConfigError, match="--name 'gpu:0'"):
+        worker(redis, name="gpu:0")
+
+
+def test_concurrent_submits_each_hold_the_batch_open(client: Client, redis: Redis) -> None:
+    client._holding("open", "other-submit")  # another producer still writing into this batch
+    handle = client.submit_batch([{"custom_id": "a", "model": "laya", "prompt": "p"}], batch_id="open")
+    worker(redis).work()
+    record = client.status(handle.id)
+    assert record.counts.done == 1 and not record.complete and record.status == "validating"
+    client._done_submitting("open", "other-submit")
+    assert client.status(handle.id).complete
