@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import orjson
@@ -147,9 +147,6 @@ class Job:
             batch=_optional_str(obj.get("batch"), "batch"),
             parent=_parent(obj.get("parent")),
         )
-
-    def with_batch(self, batch: str) -> Job:
-        return replace(self, batch=batch)
 
 
 # ---- field validators (each raises ValidationError naming its field) ---------------------------

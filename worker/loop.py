@@ -9,22 +9,18 @@ escalations enqueued as follow-ups, RQ's registries updated.
 from __future__ import annotations
 
 import logging
-import re
 import signal
-import socket
 import threading
 import time
-import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import redis.exceptions
 from redis import Redis
 
-from shared.conn import redis_problem
 from shared.enqueue import EnqueueSettings
-from shared.errors import INTERNAL, ConfigError, RedisUnavailableError
+from shared.errors import INTERNAL
 from shared.job import Job
 from shared.keys import Keys
 from shared.store import BatchFlags
@@ -35,9 +31,10 @@ from worker.metrics import HealthServer
 from worker.notices import Notifier
 from worker.outputs import RowOutput
 from worker.policy import QueueState, choose_model
+from worker.presence import Presence
 from worker.recovery import RecoveryPass
 from worker.rqcompat import RQBridge
-from worker.settings import WorkerSettings
+from worker.settings import WorkerSettings, worker_name
 from worker.settle import Row, Settler, dead_letter, outputs_tokens
 from worker.stats import PUBLISH_EVERY_BATCHES, BatchFacts, WorkerStats
 from worker.versions import model_versions
@@ -62,20 +59,6 @@ class EngineLike(Protocol):
     def run(self, jobs: Sequence[Job], *, time_limit_s: float | None = None) -> list[Any]: ...
     def max_rows(self, model: str) -> int: ...
     def expect(self, job: Job) -> None: ...
-
-
-NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-
-
-def worker_name(name: str | None) -> str:
-    """The given --name (letters, digits, '_', '.', '-': it is part of every started-registry entry, where ':'
-    separates fields), or host + random suffix with other characters replaced."""
-    if name is not None:
-        if not NAME_RE.match(name):
-            raise ConfigError(f"--name {name!r}: use 1-128 letters, digits, '_', '.' or '-'")
-        return name
-    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:80]
-    return f"kevlaya-{host}-{uuid.uuid4().hex[:8]}"
 
 
 class BatchWorker:
@@ -105,7 +88,6 @@ class BatchWorker:
         self.current_model: str | None = None
         self._stop = threading.Event()
         self.ready = threading.Event()  # registered and serving (/readyz)
-        self._rq_worker: Any = None
         self._suspended = False
         self._errors_reported = 0
         self.health: HealthServer | None = None
@@ -113,7 +95,9 @@ class BatchWorker:
         self._lock = threading.Lock()
         self._last_recovery = 0.0
         self._suspect_turn = True  # suspect groups and normal takes alternate: neither waits behind the other
-        self._redis_ok_since = time.time()  # reset on every Redis error (see _maybe_recover)
+        self.presence = Presence(
+            redis, self.keys, self.bridge, settings, stop=self._stop, in_flight=self._in_flight_now
+        )
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
@@ -133,28 +117,12 @@ class BatchWorker:
                 self.health.stop()
 
     def _work(self) -> WorkerStats:
-        ttl = self.settings.worker_ttl_s
-        rq_worker = self._wait_for_redis(lambda: self.bridge.make_rq_worker(ttl))
-        self._wait_for_redis(lambda: self.bridge.register(rq_worker, worker_ttl_s=ttl))
-        self._rq_worker = rq_worker
-        self.bridge.report(rq_worker, busy=False)
-        # RQ's birth gives the worker key worker_ttl + 60 s; beat once now, so a crash right after start is
-        # noticed within worker_ttl, not a minute later.
-        self._wait_for_redis(lambda: rq_worker.heartbeat(ttl))
-        beat = threading.Thread(target=self._heartbeat_loop, args=(rq_worker,), daemon=True, name="heartbeat")
-        beat.start()
+        self.presence.arrive()
         notifier = None
         if self.settings.notify_allow:
             allow = self.settings.notify_allow
             notifier = Notifier(self.redis, self.keys, self.name, allow=allow, stop=self._stop).start()
-        for name, spec in self.config.models.items():
-            log.info(
-                "model %s: base %s, adapter %s, version %s",
-                name,
-                self.config.bases[spec.base].path,
-                spec.adapter or "(none: the base itself)",
-                self.settler.versions.get(name),
-            )
+        self._log_models()
         self.ready.set()
         log.info("worker %s started (burst=%s)", self.name, self.settings.burst)
         try:
@@ -166,7 +134,7 @@ class BatchWorker:
                     # Whatever this batch had not written stays registered as started; its heartbeat now
                     # lapses, and recovery requeues it once Redis is back. Nothing is lost, nothing doubled.
                     log.warning("redis unavailable (%s); retrying", exc)
-                    self._redis_ok_since = time.time()
+                    self.presence.redis_ok_since = time.time()
                     self._stop.wait(1.0)
                 except redis.exceptions.ResponseError as exc:
                     # A key some writer replaced with another type where no check caught it: the take's
@@ -177,51 +145,27 @@ class BatchWorker:
         finally:
             self.ready.clear()
             self._stop.set()
-            beat.join(timeout=5)
             if notifier is not None:
                 notifier.thread.join(timeout=5)
             self.stats.publish(self.redis, self.keys, self.name)
-            try:
-                rq_worker.register_death()
-            except redis.exceptions.RedisError:
-                log.warning("could not register death (redis unavailable)")
+            self.presence.leave()
         log.info("worker %s stopped: %s", self.name, self.stats.summary())
         return self.stats
+
+    def _log_models(self) -> None:
+        for name, spec in self.config.models.items():
+            base = self.config.bases[spec.base].path
+            adapter = spec.adapter or "(none: the base itself)"
+            log.info("model %s: base %s, adapter %s, version %s", name, base, adapter, self.settler.versions.get(name))
 
     def _install_signals(self) -> None:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
 
-    def _wait_for_redis(self, fn: Callable[[], T]) -> T:
-        """Call fn, waiting with backoff while Redis is down (the model stays loaded meanwhile)."""
-        delay = 0.5
-        while True:
-            try:
-                return fn()
-            except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as exc:
-                raise RedisUnavailableError(redis_problem(exc)) from exc  # retrying cannot fix a credential
-            except redis.exceptions.ConnectionError as exc:
-                if self._stop.is_set():
-                    raise
-                log.warning("redis unavailable (%s); retrying in %.1f s", exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 10.0)
-
-    def _heartbeat_loop(self, rq_worker: Any) -> None:
-        while not self._stop.wait(self.settings.heartbeat_interval_s):
-            try:
-                if not self.redis.exists(rq_worker.key):
-                    rq_worker.register_birth()  # the key expired while Redis was away: announce ourselves again
-                rq_worker.heartbeat(self.settings.worker_ttl_s)
-                self.redis.zadd(self.keys.workers(), {self.name: time.time()})
-                with self._lock:
-                    in_flight = {m: list(ids) for m, ids in self._in_flight.items()}
-                for model, ids in in_flight.items():
-                    self.bridge.heartbeat(model, ids, ttl_s=self.settings.job_heartbeat_ttl_s)
-            except redis.exceptions.RedisError as exc:
-                self._redis_ok_since = time.time()
-                log.warning("heartbeat failed: %s", exc)
+    def _in_flight_now(self) -> dict[str, list[str]]:
+        with self._lock:
+            return {m: list(ids) for m, ids in self._in_flight.items()}
 
     # ---- one pass of the loop -----------------------------------------------------------------
     def _step(self) -> bool:
@@ -298,8 +242,7 @@ class BatchWorker:
         with self._lock:
             self._in_flight = {m: [r.raw.id for r in rows if r.model == m] for m in {r.model for r in rows}}
         started = time.time()
-        if self._rq_worker is not None:
-            self.bridge.report(self._rq_worker, busy=True)
+        self.presence.report(busy=True)
         try:
             if taken.dead:
                 self.stats.dead_lettered += len(rows)
@@ -309,13 +252,10 @@ class BatchWorker:
         finally:
             with self._lock:
                 self._in_flight = {}
-            if self._rq_worker is not None:
-                errors = self.stats.errors - self._errors_reported
-                self._errors_reported = self.stats.errors
-                done = len(rows)
-                self.bridge.report(
-                    self._rq_worker, busy=False, ok=max(done - errors, 0), failed=errors, seconds=time.time() - started
-                )
+            errors = self.stats.errors - self._errors_reported
+            self._errors_reported = self.stats.errors
+            ok = max(len(rows) - errors, 0)
+            self.presence.report(busy=False, ok=ok, failed=errors, seconds=time.time() - started)
 
     def _process(self, rows: list[Row]) -> None:
         """Settled rows are written first; then the rest run as one batch. A take is either normal jobs or one
@@ -398,7 +338,7 @@ class BatchWorker:
         self._last_recovery = time.time()
         # Right after a Redis outage every worker's heartbeat has lapsed: give live ones one TTL to beat
         # again before taking anything of theirs.
-        others = time.time() - self._redis_ok_since >= self.settings.worker_ttl_s
+        others = time.time() - self.presence.redis_ok_since >= self.settings.worker_ttl_s
         with self._lock:
             in_flight = {i for ids in self._in_flight.values() for i in ids}
         self.recovery.run(in_flight=in_flight, others=others, batch_ttl_s=self.settings.result_ttl_s)

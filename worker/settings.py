@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
+import socket
+import uuid
 from dataclasses import dataclass
 
+from shared.errors import ConfigError
 from shared.keys import DEFAULT_PREFIX
 from shared.store import DEFAULT_BATCH_TTL_S
 
@@ -36,3 +40,17 @@ class WorkerSettings:
             worker_ttl_s=max(2, int(job_heartbeat_ttl_s)),
             **kw,  # type: ignore[arg-type]
         )
+
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def worker_name(name: str | None) -> str:
+    """The given --name (letters, digits, '_', '.', '-': it is part of every started-registry entry, where ':'
+    separates fields), or host + random suffix with other characters replaced."""
+    if name is not None:
+        if not NAME_RE.match(name):
+            raise ConfigError(f"--name {name!r}: use 1-128 letters, digits, '_', '.' or '-'")
+        return name
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:80]
+    return f"kevlaya-{host}-{uuid.uuid4().hex[:8]}"

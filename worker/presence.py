@@ -1,0 +1,103 @@
+"""How a worker is present in Redis: registered where RQ's tools look (waiting out a Redis that is down,
+failing fast on a refused credential), a heartbeat thread that keeps it and its running jobs alive, its
+idle/busy state and counts, and its death when it stops."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis.exceptions
+from redis import Redis
+
+from shared.conn import redis_problem
+from shared.errors import RedisUnavailableError
+from shared.keys import Keys
+from worker.rqcompat import RQBridge
+from worker.settings import WorkerSettings
+
+log = logging.getLogger("kevlaya.worker")
+
+T = TypeVar("T")
+
+
+class Presence:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        bridge: RQBridge,
+        settings: WorkerSettings,
+        *,
+        stop: threading.Event,
+        in_flight: Callable[[], dict[str, list[str]]],
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.bridge = bridge
+        self.settings = settings
+        self.stop = stop
+        self.in_flight = in_flight
+        self.redis_ok_since = time.time()  # reset on every Redis error (recovery waits a TTL after one)
+        self.rq_worker: Any = None
+        self._beat: threading.Thread | None = None
+
+    def wait_for_redis(self, fn: Callable[[], T]) -> T:
+        """Call fn, waiting with backoff while Redis is down (the model stays loaded meanwhile)."""
+        delay = 0.5
+        while True:
+            try:
+                return fn()
+            except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as exc:
+                raise RedisUnavailableError(redis_problem(exc)) from exc  # retrying cannot fix a credential
+            except redis.exceptions.ConnectionError as exc:
+                if self.stop.is_set():
+                    raise
+                log.warning("redis unavailable (%s); retrying in %.1f s", exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    def arrive(self) -> None:
+        """Register (taking over a dead registration of our name), beat once, start the heartbeat thread."""
+        ttl = self.settings.worker_ttl_s
+        rq_worker = self.wait_for_redis(lambda: self.bridge.make_rq_worker(ttl))
+        self.wait_for_redis(lambda: self.bridge.register(rq_worker, worker_ttl_s=ttl))
+        self.rq_worker = rq_worker
+        self.bridge.report(rq_worker, busy=False)
+        # RQ's birth gives the worker key worker_ttl + 60 s; beat once now, so a crash right after start is
+        # noticed within worker_ttl, not a minute later.
+        self.wait_for_redis(lambda: rq_worker.heartbeat(ttl))
+        self._beat = threading.Thread(target=self._heartbeat_loop, daemon=True, name="heartbeat")
+        self._beat.start()
+
+    def report(self, *, busy: bool, ok: int = 0, failed: int = 0, seconds: float = 0.0) -> None:
+        if self.rq_worker is not None:
+            self.bridge.report(self.rq_worker, busy=busy, ok=ok, failed=failed, seconds=seconds)
+
+    def leave(self) -> None:
+        """After `stop` is set: the heartbeat ends and the death is registered (if Redis answers)."""
+        if self._beat is not None:
+            self._beat.join(timeout=5)
+        if self.rq_worker is None:
+            return
+        try:
+            self.rq_worker.register_death()
+        except redis.exceptions.RedisError:
+            log.warning("could not register death (redis unavailable)")
+
+    def _heartbeat_loop(self) -> None:
+        rq_worker = self.rq_worker
+        while not self.stop.wait(self.settings.heartbeat_interval_s):
+            try:
+                if not self.redis.exists(rq_worker.key):
+                    rq_worker.register_birth()  # the key expired while Redis was away: announce ourselves again
+                rq_worker.heartbeat(self.settings.worker_ttl_s)
+                self.redis.zadd(self.keys.workers(), {self.bridge.worker_name: time.time()})
+                for model, ids in self.in_flight().items():
+                    self.bridge.heartbeat(model, ids, ttl_s=self.settings.job_heartbeat_ttl_s)
+            except redis.exceptions.RedisError as exc:
+                self.redis_ok_since = time.time()
+                log.warning("heartbeat failed: %s", exc)
