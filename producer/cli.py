@@ -26,6 +26,7 @@ _LAZY_COMMANDS = {
     "demo-models": "worker.cli:demo_models_command",
     "train": "worker.cli:train_command",
     "eval": "worker.cli:eval_command",
+    "calibrate": "worker.cli:calibrate_command",
 }
 
 

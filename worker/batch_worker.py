@@ -378,6 +378,7 @@ class BatchWorker:
             text=out.text,
             decision=out.decision,
             confidence=out.confidence,
+            raw_confidence=out.raw_confidence,
             choices=out.choices,
             usage={"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens}
             if out.error is None

@@ -10,6 +10,7 @@ import tomllib
 
 from shared.errors import ConfigError
 from shared.models import DEFAULT_MAX_NEW_TOKENS, LAYA, MODEL_NAMES
+from worker.calibration import Calibration
 
 QUANTIZATIONS = ("nf4", "fp4", "none")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -63,6 +64,9 @@ class ModelSpec:
     max_new_tokens: int
     decision_prefix: str | None
     escalation: EscalationRule | None
+    # `[models.NAME.calibration]`, written by `kevlaya calibrate`: maps the raw token-probability confidence
+    # to a calibrated one before escalation and in results (worker/calibration.py). None: raw confidences.
+    calibration: Calibration | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +137,7 @@ _MODEL_KEYS = {
     "max_new_tokens",
     "decision_prefix",
     "escalation",
+    "calibration",
 }
 
 
@@ -158,6 +163,7 @@ def _model(name: str, table: dict[str, Any], bases: dict[str, BaseSpec], root: P
         max_new_tokens=max_new,
         decision_prefix=table.get("decision_prefix", "Decision:"),
         escalation=_escalation(name, table.get("escalation")),
+        calibration=_calibration(name, table.get("calibration")),
     )
 
 
@@ -177,6 +183,14 @@ def _escalation(name: str, table: dict[str, Any] | None) -> EscalationRule | Non
         phrases=tuple(table.get("phrases", DEFAULT_UNSURE_PHRASES)),
         max_chars=int(table.get("max_chars", 400)),
     )
+
+
+def _calibration(name: str, table: Any) -> Calibration | None:
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise ConfigError(f"[models.{name}] calibration must be a table ([models.{name}.calibration])")
+    return Calibration.from_table(table, f"[models.{name}.calibration]")
 
 
 def _known(table: dict[str, Any], allowed: set[str], where: str) -> None:
