@@ -177,3 +177,27 @@ def test_invalid_calibration_table_names_the_problem(tmp_path: Path, table: str,
     with pytest.raises(ConfigError) as info:
         load_config(path, check_paths=False)
     assert fragment in str(info.value)
+
+
+def test_the_engine_serves_calibrated_confidences_and_keeps_the_raw_ones(tiny_models: Path) -> None:
+    from dataclasses import replace
+
+    from shared.job import Job
+    from tests.conftest import tiny_config
+    from worker.engine import Engine
+
+    config = tiny_config(tiny_models, "none")
+    cal = Calibration(temperature=3.0, choices_temperature=3.0)
+    calibrated = replace(config, models={**config.models, "laya": replace(config.models["laya"], calibration=cal)})
+    jobs = [
+        Job(custom_id="g", model="laya", prompt="a case", max_new_tokens=4),
+        Job(custom_id="c", model="laya", prompt="a case", choices=("approve", "reject")),
+        Job(custom_id="k", model="kev", prompt="a case", max_new_tokens=4),
+    ]
+    raw = Engine(config, device="cpu", decode="eager").run(jobs)
+    served = Engine(calibrated, device="cpu", decode="eager").run(jobs)
+    assert served[0].raw_confidence == raw[0].confidence
+    assert served[0].confidence == pytest.approx(cal.confidence(raw[0].confidence))
+    assert served[1].raw_confidence == raw[1].confidence
+    assert served[1].choices == pytest.approx(cal.choices(raw[1].choices))
+    assert served[2] == raw[2]  # Kev is not calibrated in this config: untouched
