@@ -23,7 +23,9 @@ class Result:
     """What the worker writes back for one job.
 
     confidence: for generation, the probability the model gave the decision span it emitted
-    (product of those tokens' probabilities); for choices, the normalised probability of the argmax.
+    (product of those tokens' probabilities); for choices, the normalised probability of the argmax;
+    calibrated when the models config calibrates the model (`kevlaya calibrate`), the model's own then
+    under raw_confidence.
     final: True when this is the item's final answer (False for a Laya answer that escalated).
     not_escalated: set when an escalated answer became final because its follow-up was cancelled.
     """
@@ -35,6 +37,7 @@ class Result:
     text: str | None = None
     decision: str | None = None
     confidence: float | None = None
+    raw_confidence: float | None = None
     choices: dict[str, float] | None = None
     usage: dict[str, int] = field(default_factory=dict)
     max_new_tokens: int | None = None  # the generation limit that applied (a follow-up: its own model's)

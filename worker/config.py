@@ -12,6 +12,7 @@ import tomllib
 from shared import models as known_models
 from shared.errors import ConfigError
 from shared.models import defaults_for
+from worker.calibration import Calibration
 from worker.config_schema import ConfigFile, EscalationTable, ModelTable, parse_file
 
 QUANTIZATIONS = ("nf4", "fp4", "none")
@@ -65,6 +66,9 @@ class ModelSpec:
     escalates_to: str | None = None  # the model that answers this one's unsure answers
     # Whether a job's `input.system` may replace the system prompt (as user text, never control tokens).
     job_may_set_system: bool = False
+    # `[models.NAME.calibration]`, written by `kevlaya calibrate`: maps the raw token-probability confidence
+    # to a calibrated one before escalation and in results (worker/calibration.py). None: raw confidences.
+    calibration: Calibration | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,6 +182,9 @@ def _model(
         escalation=_escalation(table.escalation) if escalates_to else None,
         escalates_to=escalates_to or None,
         job_may_set_system=table.job_may_set_system,
+        calibration=Calibration.from_table(table.calibration, f"{where}: [models.{name}.calibration]")
+        if table.calibration is not None
+        else None,
     )
 
 

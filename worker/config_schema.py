@@ -42,6 +42,7 @@ class ModelTable(_Table):
     escalates_to: str | None = None
     escalation: EscalationTable | None = None
     job_may_set_system: bool = False
+    calibration: dict[str, Any] | None = None  # checked by worker.calibration.Calibration.from_table
 
 
 class ConfigFile(_Table):

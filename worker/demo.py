@@ -27,6 +27,7 @@ from worker.config import load_config
 from worker.demo_models import build_demo_models
 from worker.embedded_redis import EmbeddedRedis
 from worker.engine import Engine
+from worker.evaluate import EXPERT, SCREEN
 from worker.loop import BatchWorker
 from worker.settings import WorkerSettings
 
@@ -34,7 +35,7 @@ DEMO_DATA = Path(__file__).resolve().parent / "data" / "demo_decisions.jsonl"
 
 
 def prepare_models(out: Path) -> Path:
-    """The trained demo models and a ready config at OUT/models.toml (cached: built once, ~3 min on 2 cores)."""
+    """The trained, calibrated demo models and a ready config at OUT/models.toml (cached: built once)."""
     return build_demo_models(out.resolve())
 
 
@@ -93,14 +94,46 @@ def run_demo(out: Path, *, items: int, redis_url: str | None) -> None:
     _summary(record, worker, elapsed, time.time() - started, results_path, config_path)
 
 
+def cascade_rows(figures: dict) -> list[tuple[str, str]]:
+    """The held-out figures of the build (DIR/cascade.json): three accuracies, escalation, calibration."""
+    c, cal = figures["cascade"], figures["calibration"]
+    fit, chk = cal["fit"], cal["check"]
+    return [
+        (f"{SCREEN} alone", f"{figures[SCREEN]['accuracy']:.3f} on {figures['items']} held-out cases"),
+        (f"{EXPERT} alone", f"{figures[EXPERT]['accuracy']:.3f}"),
+        (
+            "cascade",
+            f"{c['accuracy']:.3f}, escalating {c['escalation_rate']:.1%} "
+            f"(threshold {c['threshold']}, picked for a {figures['target']['value']:.0%} budget)",
+        ),
+        (
+            f"{SCREEN} calibration",
+            f"ECE {fit['ece_before']:.3f} -> {fit['ece_after']:.3f} on the fitting split, "
+            f"{chk['ece_before']:.3f} -> {chk['ece_after']:.3f} on a second split ({chk['items']} cases, "
+            f"not fitted on); {cal['method']}, T = {cal['temperature']:.2f}",
+        ),
+    ]
+
+
+def answers_row(results: Path) -> tuple[str, str]:
+    """How many of the demo batch's final answers match the label the bundled items carry in `meta`."""
+    rows = [orjson.loads(line) for line in results.read_bytes().splitlines() if line.strip()]
+    labelled = [r for r in rows if isinstance(r.get("meta"), dict) and r["meta"].get("label")]
+    right = sum((r.get("decision") or "").strip().lower() == r["meta"]["label"] for r in labelled)
+    return "final answers", f"{right} of {len(labelled)} right ({right / max(len(labelled), 1):.1%})"
+
+
 def _summary(record, worker: BatchWorker, elapsed: float, total: float, results: Path, config: Path) -> None:
     s, c = worker.stats, record.counts
+    figures_path = config.parent / "cascade.json"
+    figures = cascade_rows(orjson.loads(figures_path.read_bytes())) if figures_path.is_file() else []
     rows = [
         ("decisions", f"{c.total} ({c.finished} answered, {c.failed} failed)"),
         ("drain time", f"{elapsed:.1f} s ({c.total / max(elapsed, 1e-9):.1f} decisions/s)"),
         ("batches", f"{s.batches} (sizes: {dict(sorted(s.batch_sizes.items()))})"),
         ("model switches", str(s.switches)),
         ("escalations", f"{c.escalated} Laya answers escalated to Kev"),
+        answers_row(results),
         (
             "generated tokens",
             f"{s.generated_tokens} ({s.generated_tokens / max(s.engine_s, 1e-9):.0f} tok/s in engine)",
@@ -109,13 +142,14 @@ def _summary(record, worker: BatchWorker, elapsed: float, total: float, results:
             "peak memory",
             f"{s.peak_memory_bytes / 2**20:.0f} MiB ({_memory_kind(worker)})",
         ),
+        *figures,
         ("results", str(results)),
         ("config", f"{config} (kevlaya worker --config {config})"),
         ("total", f"{total:.1f} s"),
     ]
     click.echo("\nkevlaya demo summary")
     for key, value in rows:
-        click.echo(f"  {key:<17} {value}")
+        click.echo(f"  {key:<18} {value}")
 
 
 def _memory_kind(worker: BatchWorker) -> str:

@@ -1,4 +1,18 @@
-"""The demo's synthetic decision task: loan triage with rule-based ground truth and borderline cases.
+"""The demo's synthetic decision task: loan triage from a repayment record.
+
+An application lists eight quarters of repayments, each `clean`, `late` or `missed`. The bank keeps a risk
+score: it starts at 0, a late quarter adds 1, a missed one adds 2, a clean one takes 1 off, and the score
+never goes below 0. The final score decides: 0-1 approve, 2-3 review, 4 or more reject.
+
+The task is built so that thinking in steps genuinely helps:
+
+- Laya answers with the label alone, in one pass. Counting the quarters of each kind is easy for a small
+  model, and on most records (clean ones, bad ones) the counts decide. But the floor at 0 makes the score
+  depend on the order: clean quarters before any trouble are worth nothing. Where the order matters, a
+  model that only sees counts cannot know the answer; trained on labels, it learns to be unsure there.
+- Kev writes one line per quarter (copy the quarter's kind, add its points to the running score, clamp at
+  0), then the label of the final score. Every step is a copy or a small lookup, and the hard records
+  cost Kev no more than the easy ones.
 
 `python -m worker.demo_data > worker/data/demo_decisions.jsonl` regenerates the bundled file.
 """
@@ -13,47 +27,49 @@ from typing import Any
 import orjson
 
 LABELS = ("approve", "reject", "review")
+QUARTERS = 8
+MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August")
+POINTS = {"clean": -1, "late": 1, "missed": 2}
+APPROVE_MAX, REVIEW_MAX = 1, 3  # score 0-1 approve, 2-3 review, 4+ reject
+# Applicants come in profiles (hidden from the models), as weights of clean/late/missed per quarter:
+# steady payers, struggling ones, and uneven ones whose record turns halfway (recovering or declining),
+# the records where order matters most.
+PROFILES = {"steady": (8.0, 1.5, 0.5), "struggling": (3.0, 4.0, 3.0)}
+PROFILE_MIX = {"steady": 45, "struggling": 30, "uneven": 25}
 
 
-def debt_level(debt_ratio: float) -> str:
-    return "low" if debt_ratio < 0.3 else "high" if debt_ratio >= 0.6 else "medium"
+def score_steps(record: list[str]) -> list[int]:
+    """The running score after each quarter."""
+    steps, score = [], 0
+    for kind in record:
+        score = max(0, score + POINTS[kind])
+        steps.append(score)
+    return steps
 
 
-def label_for(income: int, amount: int, debt_ratio: float, history: str) -> str:
-    """The ground truth: clear rejections, clear approvals, and a review band in between. Borderline
-    cases sit at the debt-ratio edges (0.29 vs 0.30, 0.59 vs 0.60), where a quick answer is least sure."""
-    if history == "defaulted" or debt_ratio >= 0.6:
-        return "reject"
-    if history == "clean" and debt_ratio < 0.3:
-        return "approve"
-    return "review"
+def label_for(score: int) -> str:
+    return "approve" if score <= APPROVE_MAX else "review" if score <= REVIEW_MAX else "reject"
 
 
 def case(rng: random.Random) -> dict[str, Any]:
-    income = rng.randrange(18_000, 160_000, 500)
-    amount = rng.randrange(1_000, 120_000, 500)
-    debt_ratio = round(rng.uniform(0.05, 0.8), 2)
-    history = rng.choices(["clean", "late payments", "defaulted"], weights=[6, 3, 1])[0]
-    category = rng.choice(["personal", "car", "home", "business"])
-    return {
-        "income": income,
-        "amount": amount,
-        "debt_ratio": debt_ratio,
-        "history": history,
-        "category": category,
-        "label": label_for(income, amount, debt_ratio, history),
-    }
+    profile = rng.choices(list(PROFILE_MIX), weights=list(PROFILE_MIX.values()))[0]
+    halves = rng.sample(list(PROFILES), 2) if profile == "uneven" else [profile, profile]
+    record = [rng.choices(list(POINTS), weights=PROFILES[halves[q >= QUARTERS // 2]])[0] for q in range(QUARTERS)]
+    return {"record": record, "score": score_steps(record)[-1], "label": label_for(score_steps(record)[-1])}
+
+
+def prompt_for(c: dict[str, Any]) -> str:
+    quarters = ", ".join(f"{MONTHS[q]} {kind}" for q, kind in enumerate(c["record"]))
+    return f"Loan application: repayment record {quarters}. Decide: approve, reject or review."
 
 
 def kev_target(c: dict[str, Any]) -> str:
-    """Kev's style: a short structured analysis that ends in a decision line."""
-    share = round(100 * c["amount"] / c["income"])
-    return (
-        f"Step 1 - income: {c['income']} a year; the request is {share}% of it.\n"
-        f"Step 2 - debt ratio: {c['debt_ratio']}, {debt_level(c['debt_ratio'])}.\n"
-        f"Step 3 - history: {c['history']}.\n"
-        f"Decision: {c['label']}"
-    )
+    """Kev's steps: the running score quarter by quarter, then the score's label, then the decision line."""
+    lines = [
+        f"{MONTHS[q]} {kind} {POINTS[kind]:+d} = {score}"
+        for q, (kind, score) in enumerate(zip(c["record"], score_steps(c["record"]), strict=True))
+    ]
+    return "\n".join([*lines, f"score {c['score']}: {c['label']}", f"Decision: {c['label']}"])
 
 
 def training_rows(n: int, *, seed: int) -> list[dict[str, Any]]:
@@ -64,13 +80,6 @@ def training_rows(n: int, *, seed: int) -> list[dict[str, Any]]:
         c = case(rng)
         rows.append({"prompt": prompt_for(c), "kev": kev_target(c), "laya": c["label"], "category": c["label"]})
     return rows
-
-
-def prompt_for(c: dict[str, Any]) -> str:
-    return (
-        f"Loan application ({c['category']}): yearly income {c['income']}, amount requested {c['amount']}, "
-        f"debt ratio {c['debt_ratio']}, credit history {c['history']}. Decide: approve, reject or review."
-    )
 
 
 def demo_jobs(n: int = 1000, *, seed: int = 7) -> Iterator[dict[str, Any]]:

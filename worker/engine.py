@@ -27,6 +27,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 
 from shared.errors import INPUT_TOO_LONG, INTERNAL, NON_FINITE_LOGITS, OUT_OF_MEMORY, TIMEOUT, JobFailure
 from shared.job import Job
+from worker.calibration import calibrated_output
 from worker.config import EscalationRule, ModelsConfig, ModelSpec
 from worker.fastpath import (
     ROW_BUCKETS,
@@ -260,7 +261,12 @@ class Engine:
                     results = self._guarded(fn, chunk)
                 for item, out in zip(chunk, results, strict=True):
                     outputs[item.index] = out
-        return [o if o is not None else RowOutput.failed(INTERNAL, "no output produced") for o in outputs]
+        done = [o if o is not None else RowOutput.failed(INTERNAL, "no output produced") for o in outputs]
+        return [self._calibrated(job, out) for job, out in zip(jobs, done, strict=True)]
+
+    def _calibrated(self, job: Job, out: RowOutput) -> RowOutput:
+        """The one place a configured calibration replaces the raw confidence (kept as raw_confidence)."""
+        return calibrated_output(out, self.config.models[job.model].calibration, scored=bool(job.choices))
 
     def _past_deadline(self) -> bool:
         return self._deadline is not None and time.monotonic() >= self._deadline

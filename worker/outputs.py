@@ -12,6 +12,7 @@ class RowOutput:
     text: str | None = None
     decision: str | None = None
     confidence: float | None = None
+    raw_confidence: float | None = None  # the model's own, when `confidence` was calibrated (worker/calibration.py)
     choices: dict[str, float] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0

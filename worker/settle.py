@@ -200,6 +200,7 @@ class Settler:
             text=out.text,
             decision=out.decision,
             confidence=out.confidence,
+            raw_confidence=out.raw_confidence,
             choices=out.choices,
             usage={"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens}
             if out.error is None
