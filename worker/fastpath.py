@@ -550,14 +550,37 @@ class _Layer:
         return (qkv, o, gate_up, down)
 
 
-class _State:
-    """The static buffers one graph reads and writes; views of the shared KV pool for its rows x length."""
+@dataclass(frozen=True)
+class _Ends:
+    """How a row ends: the id a non-finite row is forced to emit, the padding finished rows emit, and every
+    stop id. Part of a graph's key: the ids are baked into (or owned by) the captured step."""
 
-    def __init__(self, rows: int, length: int, kv: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device):
+    end_id: int
+    pad_id: int
+    stops: tuple[int, ...]
+
+
+class _State:
+    """Every tensor one graph reads and writes (a captured graph reads them by address, so it owns them all);
+    the KV tensors are views of the shared pool for its rows x length."""
+
+    def __init__(
+        self,
+        rows: int,
+        length: int,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        ends: _Ends,
+        device: torch.device,
+    ) -> None:
         def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.rows, self.length, self.kv = rows, length, kv
+        # The stop ids live here, not in a tensor built per call: a captured graph reads them by address, and a
+        # per-call tensor's block is reused by the allocator once the call returns (no early stop, or a stray
+        # token taken for a stop, on a later replay).
+        self.end_id, self.pad_id = ends.end_id, ends.pad_id
+        self.stop = torch.tensor(ends.stops, dtype=torch.long, device=device)
         self.ids = zeros(rows, 1)
         self.pos = zeros(rows, 1)
         self.cache_pos = zeros(1)
@@ -726,27 +749,27 @@ class StaticDecoder:
         (gate, up), _ = layer.gate_up(x, masks, dense[2])
         return self.ops.add_norm(h, layer.down(self.ops.act_mul(layer.act, gate, up), masks, dense[3]), next_norm)
 
-    def _choose(self, state: _State, logits: torch.Tensor, end_id: int, pad_id: int, stop: torch.Tensor) -> None:
+    def _choose(self, state: _State, logits: torch.Tensor) -> None:
         """Greedy choice and bookkeeping, all on the device (no host sync): as HF's greedy search does it --
         argmax of the float32 logits, finished rows emit padding -- plus the chosen token's log-probability
         and non-finite rows forced to end (flagged, so their batch-mates carry on)."""
         logits = logits.float()
         finite = torch.isfinite(logits).all(dim=-1)
-        token = torch.where(finite, logits.argmax(dim=-1), end_id)
+        token = torch.where(finite, logits.argmax(dim=-1), state.end_id)
         logprob = logits.log_softmax(dim=-1).gather(1, token.unsqueeze(1)).squeeze(1)
         state.bad |= ~finite & ~state.finished
-        token = torch.where(state.finished, pad_id, token)
+        token = torch.where(state.finished, state.pad_id, token)
         state.tokens.index_copy_(1, state.step, token.unsqueeze(1))
         state.logprobs.index_copy_(1, state.step, logprob.unsqueeze(1))
-        state.finished |= torch.isin(token, stop) | (state.step + 1 >= state.limits)
+        state.finished |= torch.isin(token, state.stop) | (state.step + 1 >= state.limits)
         state.ids.copy_(token.unsqueeze(1))
         state.pos += 1
         state.cache_pos += 1
         state.step += 1
 
-    def _step(self, state: _State, masks: Masks, ends: tuple[Any, ...]) -> None:
+    def _step(self, state: _State, masks: Masks) -> None:
         state.mask.index_fill_(-1, state.cache_pos, True)  # the slot this step writes is now attended
-        self._choose(state, self._forward(state, masks), *ends)
+        self._choose(state, self._forward(state, masks))
 
     # ---- graphs ------------------------------------------------------------------------------
     def _entry(
@@ -755,18 +778,17 @@ class StaticDecoder:
         length: int,
         adapters: tuple[str, ...],
         mixed: bool,
-        ends: tuple[Any, ...],
-        stops: tuple[int, ...],
+        ends: _Ends,
     ) -> tuple[_State, Callable[[], None]]:
-        rest = (adapters, mixed, ends[0], ends[1], stops)
+        rest = (adapters, mixed, ends)
         rows = self._reusable_rows(rows, length, rest)
         key = (rows, length, *rest)
         kv = self._kv_views(rows, length)  # first: may clear the graphs
         if key not in self._graphs:
-            state = _State(rows, length, kv, self.device)
+            state = _State(rows, length, kv, ends, self.device)
             for name in adapters if mixed else ():
                 state.adapter_masks[name] = torch.zeros(rows, 1, 1, dtype=self.dtype, device=self.device)
-            graph = self._capture(state, self._masks(state, adapters, mixed), ends) if self.use_graphs else None
+            graph = self._capture(state, self._masks(state, adapters, mixed)) if self.use_graphs else None
             self._graphs[key] = (state, graph)
             while len(self._graphs) > MAX_GRAPHS:
                 self._graphs.popitem(last=False)
@@ -775,7 +797,7 @@ class StaticDecoder:
         if graph is not None:
             return state, graph.replay
         masks = self._masks(state, adapters, mixed)
-        return state, lambda: self._step(state, masks, ends)
+        return state, lambda: self._step(state, masks)
 
     def _reusable_rows(self, rows: int, length: int, rest: tuple[Any, ...]) -> int:
         """The rows of an already captured graph that can serve this batch instead of a new capture: same
@@ -786,14 +808,14 @@ class StaticDecoder:
         ]
         return min(fits, default=rows)
 
-    def _capture(self, state: _State, masks: Masks, ends: tuple[Any, ...]) -> Any:
+    def _capture(self, state: _State, masks: Masks) -> Any:
         # Warm up on a side stream first (lazy cuBLAS/bnb initialisation must not happen inside a capture);
         # the warm-up writes garbage into the state, which every batch overwrites before replaying.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._step(state, masks, ends)
+                self._step(state, masks)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
@@ -805,7 +827,7 @@ class StaticDecoder:
             with torch.cuda.stream(stream):
                 graph.capture_begin(self._graph_pool)
                 try:
-                    self._step(state, masks, ends)
+                    self._step(state, masks)
                 finally:
                     graph.capture_end()
             torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -840,14 +862,13 @@ class StaticDecoder:
         names = {r.adapter for r in rows}
         adapters = tuple(sorted(a for a in names if a is not None))
         mixed = len(names) > 1
-        stops = tuple(sorted(set(stop_ids)))
-        ends = (stop_ids[0], pad_id, torch.tensor(stops, dtype=torch.long, device=self.device))
+        ends = _Ends(end_id=stop_ids[0], pad_id=pad_id, stops=tuple(sorted(set(stop_ids))))
         started = time.perf_counter()
-        state, replay = self._entry(bucket, length, adapters, mixed, ends, stops)
+        state, replay = self._entry(bucket, length, adapters, mixed, ends)
         self._reset(state, rows, width, adapters if mixed else ())
         prefill_at = time.perf_counter()
         first = self._prefill(state, rows, width, select, pad_id)
-        self._choose(state, first, *ends)
+        self._choose(state, first)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # one wait per batch, so the phase times below are the GPU's
         decode_at = time.perf_counter()
