@@ -44,7 +44,7 @@ def test_a_replayed_graph_reads_the_stop_ids_of_its_own_state(tiny_models: Path)
         select = lambda names: engine._adapters(base, names)  # noqa: E731
         return decoder.decode(rows, stop_ids=[stop], pad_id=pad_id, select=select).tokens
 
-    free = decode(decoder.head.out_features + 7)[0].tolist()  # an id past the vocabulary: no stop
+    free = decode(decoder.stack.head.out_features + 7)[0].tolist()  # an id past the vocabulary: no stop
     assert len(free) == 40
     # The stop: row 0's first token that it had not emitted before, at least three steps in.
     at = next(k for k in range(3, 40) if free[k] not in free[:k] and free[k] != pad_id)
