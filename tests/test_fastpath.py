@@ -170,15 +170,6 @@ def test_deadline_fails_rows_it_cut_short(tiny_models: Path) -> None:
             assert o.completion_tokens < 400
 
 
-def test_sampled_rows_use_hf_generate(pair: tuple[TokenRecorder, TokenRecorder]) -> None:
-    _, static = pair
-    decoder = next(iter(static.decoders.values()))
-    before = dict(decoder.graphs.entries)
-    outs = static.run([Job(custom_id="s", model="laya", prompt="hello", temperature=0.8, seed=3)])
-    assert outs[0].error is None
-    assert dict(decoder.graphs.entries) == before
-
-
 def test_a_failing_loop_falls_back_to_hf_generate(tiny_models: Path, caplog: pytest.LogCaptureFixture) -> None:
     config = tiny_config(tiny_models, "none")
     eager = Engine(config, device="cpu", decode="eager")

@@ -16,6 +16,7 @@ import contextlib
 import gc
 import logging
 import resource
+import secrets
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +38,7 @@ from worker.fastpath import (
     row_bucket,
     unsupported_reason,
 )
+from worker.fastpath.sampling import Sampling
 from worker.loading import LoadedBase, load_all
 from worker.memory import DTYPE_BYTES, BatchPlan, plan_batch
 from worker.outputs import RowOutput
@@ -245,8 +247,7 @@ class Engine:
                 outputs[index] = RowOutput.failed(item.type, str(item))
                 continue
             spec = self.config.models[job.model]
-            mode = ("choices",) if job.choices else ("generate", job.temperature, job.seed)
-            groups[(spec.base, *mode)].append(item)
+            groups[(spec.base, *self._mode(job))].append(item)
             longest[job.model] = max(longest.get(job.model, 0), len(item.ids))
         self._longest_prompt.update(longest)
         self.phase_s["encode"] += time.perf_counter() - started
@@ -261,6 +262,15 @@ class Engine:
                 for item, out in zip(chunk, results, strict=True):
                     outputs[item.index] = out
         return [o if o is not None else RowOutput.failed(INTERNAL, "no output produced") for o in outputs]
+
+    def _mode(self, job: Job) -> tuple[Any, ...]:
+        """Which jobs can share a batch: choices apart from generation; on the static loop greedy and sampled rows
+        together (each row samples with its own parameters), on HF generate one sampling setting per batch."""
+        if job.choices:
+            return ("choices",)
+        if self.config.models[job.model].base in self.decoders:
+            return ("generate",)
+        return ("generate", *_sampling_params(job))
 
     def _past_deadline(self) -> bool:
         return self._deadline is not None and time.monotonic() >= self._deadline
@@ -369,7 +379,7 @@ class Engine:
     def _generate(self, items: list[_Item]) -> list[RowOutput]:
         spec = self.config.models[items[0].job.model]
         decoder = self.decoders.get(spec.base)
-        if decoder is not None and items[0].job.temperature == 0:
+        if decoder is not None:
             try:
                 return self._generate_static(decoder, items)
             except torch.OutOfMemoryError:
@@ -379,7 +389,16 @@ class Engine:
                 log.exception("decode: the static loop failed for base %s; HF generate from now on", spec.base)
                 decoder.release()
                 del self.decoders[spec.base]
-        return self._generate_eager(items)
+        # HF generate samples the whole batch one way: one call per sampling setting (a batch grouped for the
+        # static loop, which samples per row, may mix them).
+        by_params: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+        for i, item in enumerate(items):
+            by_params[_sampling_params(item.job)].append(i)
+        outputs: list[RowOutput | None] = [None] * len(items)
+        for rows in by_params.values():
+            for i, out in zip(rows, self._generate_eager([items[i] for i in rows]), strict=True):
+                outputs[i] = out
+        return [o for o in outputs if o is not None]
 
     def _generate_static(self, decoder: StaticDecoder, items: list[_Item]) -> list[RowOutput]:
         """Greedy rows through the static loop: the same outputs as `_generate_eager`, built the same way."""
@@ -387,7 +406,7 @@ class Engine:
         stop_ids = self._stop_ids(base)
         self._fault("generate", len(items))
         result = decoder.decode(
-            [DecodeRow(ids=it.ids, max_new=it.max_new, adapter=it.adapter) for it in items],
+            [DecodeRow(ids=it.ids, max_new=it.max_new, adapter=it.adapter, sampling=_sampling(it.job)) for it in items],
             stop_ids=stop_ids,
             pad_id=base.tokenizer.pad_token_id,
             select=lambda names: self._adapters(base, names),
@@ -418,8 +437,8 @@ class Engine:
             max_new_tokens=int(limits.max()),
             do_sample=job.temperature > 0,
             temperature=job.temperature if job.temperature > 0 else None,
-            top_p=None,
-            top_k=None,
+            top_p=job.top_p if job.temperature > 0 and job.top_p < 1.0 else None,
+            top_k=job.top_k if job.temperature > 0 and job.top_k > 0 else None,
             eos_token_id=stop_ids,
             pad_token_id=tok.pad_token_id,
         )
@@ -617,6 +636,22 @@ class _RowLimit(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
         return (input_ids.shape[1] - self.prompt_len) >= self.limits
+
+
+def _sampling_params(job: Job) -> tuple[Any, ...]:
+    """What HF generate needs the same for every row of one call."""
+    if job.temperature == 0:
+        return (0.0,)
+    return (job.temperature, job.top_p, job.top_k, job.seed)
+
+
+def _sampling(job: Job) -> Sampling | None:
+    """A row's sampling on the static loop (None: greedy). Without a seed, a fresh random one: the row is then
+    random, as on HF generate, but still independent of its batch-mates."""
+    if job.temperature == 0:
+        return None
+    seed = job.seed if job.seed is not None else secrets.randbits(63)
+    return Sampling(temperature=job.temperature, seed=seed, top_p=job.top_p, top_k=job.top_k)
 
 
 def decision_span(

@@ -51,6 +51,7 @@ from worker.fastpath.graphs import (
     row_bucket,
 )
 from worker.fastpath.prefill import AdapterSelect, Prefill, adapter_mask
+from worker.fastpath.sampling import Sampling, sample
 from worker.fastpath.weights import Masks, Stack
 
 log = logging.getLogger("kevlaya.fastpath")
@@ -63,6 +64,7 @@ class DecodeRow:
     ids: list[int]
     max_new: int
     adapter: str | None
+    sampling: Sampling | None = None  # None: greedy
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,8 @@ def causal_lm(model: Any) -> Any:
 
 
 class StaticDecoder:
-    """Greedy batched decoding over a static KV cache, with CUDA graphs when the device is a GPU."""
+    """Batched decoding (greedy rows and sampled rows together) over a static KV cache, with CUDA graphs when
+    the device is a GPU."""
 
     def __init__(
         self,
@@ -184,13 +187,21 @@ class StaticDecoder:
         return s.head(x)[:, 0]
 
     def _choose(self, state: State, logits: torch.Tensor) -> None:
-        """Greedy choice and bookkeeping, all on the device (no host sync): as HF's greedy search does it --
+        """Greedy choice (or each sampled row's draw) and bookkeeping, all on the device (no host sync): as HF's
+        greedy search does it --
         argmax of the float32 logits, finished rows emit padding -- plus the chosen token's log-probability
         and non-finite rows forced to end (flagged, so their batch-mates carry on)."""
         logits = logits.float()
         finite = torch.isfinite(logits).all(dim=-1)
         token = torch.where(finite, logits.argmax(dim=-1), state.end_id)
         logprob = logits.log_softmax(dim=-1).gather(1, token.unsqueeze(1)).squeeze(1)
+        if state.sampling is not None:
+            # Sampled rows draw from their own distribution (greedy rows keep the argmax above); a non-finite
+            # row still ends with `end_id`.
+            drawn, drawn_logprob = sample(logits, state.sampling, state.step, filtered=state.filtered)
+            use = state.sampling.on & finite
+            token = torch.where(use, drawn, token)
+            logprob = torch.where(use, drawn_logprob, logprob)
         state.bad |= ~finite & ~state.finished
         token = torch.where(state.finished, state.pad_id, token)
         state.tokens.index_copy_(1, state.step, token.unsqueeze(1))
@@ -242,7 +253,8 @@ class StaticDecoder:
         select: AdapterSelect,
         deadline: float | None = None,
     ) -> Decoded:
-        """Greedy-decode every row to its stop token or its own `max_new`; `select(adapters)` is the engine's
+        """Decode every row (greedy, or sampled as its `sampling` says) to its stop token or its own `max_new`;
+        `select(adapters)` is the engine's
         adapter choice for the prefill fallback (PEFT's own path)."""
         n = len(rows)
         width = max(len(r.ids) for r in rows)
@@ -254,6 +266,8 @@ class StaticDecoder:
             adapters=tuple(sorted(a for a in names if a is not None)),
             mixed=len(names) > 1,
             ends=Ends(end_id=stop_ids[0], pad_id=pad_id, stops=tuple(sorted(set(stop_ids)))),
+            sampled=any(r.sampling is not None for r in rows),
+            filtered=any(r.sampling is not None and r.sampling.filtered for r in rows),
         )
         started = time.perf_counter()
         state, replay = self._entry(key)
@@ -318,6 +332,8 @@ class StaticDecoder:
         state.bad.zero_()
         state.step.zero_()
         state.cache_pos.fill_(width - 1)
+        if state.sampling is not None:
+            state.sampling.reset([r.sampling for r in rows], self.stack.head.out_features)
         for name in mixed_adapters:
             state.adapter_masks[name][:n].copy_(adapter_mask(rows, name, self.dtype, self.device))
             state.adapter_masks[name][n:] = 0.0

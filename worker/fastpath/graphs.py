@@ -11,9 +11,11 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from worker.fastpath.sampling import SamplingState
 
 log = logging.getLogger("kevlaya.fastpath")
 
@@ -53,6 +55,8 @@ class GraphKey:
     adapters: tuple[str, ...]
     mixed: bool  # per-row adapter masks (else every row uses every adapter in `adapters`: zero or one)
     ends: Ends
+    sampled: bool = False  # some row samples: the step draws per row (greedy-only batches skip that work)
+    filtered: bool = False  # some sampled row cuts to top-p / top-k: the step sorts each row's logits
 
 
 class State:
@@ -84,6 +88,8 @@ class State:
         self.adapter_masks: dict[str, torch.Tensor] = {
             name: zeros(rows, 1, 1, dtype=dtype) for name in (key.adapters if key.mixed else ())
         }
+        self.sampling = SamplingState(rows, device) if key.sampled else None
+        self.filtered = key.filtered
 
 
 class KVPool:
@@ -145,14 +151,13 @@ class GraphCache:
         self.captures = 0  # graphs captured so far (a benchmark figure)
 
     def reusable_rows(self, key: GraphKey) -> int:
-        """The rows of an already captured graph that can serve this key instead of a new capture: same length,
-        adapters and ends, at most `reuse_slack` x the rows (its extra rows idle along). A capture costs ~0.5 s
+        """The rows of an already captured graph that can serve this key instead of a new capture: same key but
+        for the rows, at most `reuse_slack` x the rows (its extra rows idle along). A capture costs ~0.5 s
         on the H200; a step of 256 rows costs ~5% more than one of 224."""
         fits = [
             k.rows
             for k in self.entries
-            if (k.length, k.adapters, k.mixed, k.ends) == (key.length, key.adapters, key.mixed, key.ends)
-            and key.rows <= k.rows <= key.rows * self.reuse_slack
+            if replace(k, rows=key.rows) == key and key.rows <= k.rows <= key.rows * self.reuse_slack
         ]
         return min(fits, default=key.rows)
 
