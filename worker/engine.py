@@ -32,6 +32,7 @@ from worker.config import EscalationRule, ModelsConfig, ModelSpec
 from worker.fastpath import (
     ROW_BUCKETS,
     DecodeRow,
+    ScoreRow,
     StaticDecoder,
     left_pad,
     length_bucket,
@@ -284,7 +285,12 @@ class Engine:
         current: list[_Item] = []
         for item in ordered:
             longest = len(item.ids)  # ascending order: the newcomer is the longest in the chunk
-            if scoring:
+            if scoring and self.config.models[model].base in self.decoders:
+                # The loop scores a row's choices after its prompt, in the KV pool: planned as a row of the
+                # prompt plus all its choices' tokens (the prompt once, not once per choice).
+                span = max(self._choice_tokens(it.job) for it in [*current, item])
+                rows = self.plan(model, input_tokens=longest, new_tokens=span).max_rows
+            elif scoring:
                 per_item = max(1, len(item.job.choices or ()))
                 rows = self.plan(model, input_tokens=longest + 8, new_tokens=0).max_rows // per_item
             else:
@@ -498,8 +504,51 @@ class Engine:
         )
 
     # ---- choice scoring ---------------------------------------------------------------------
-    @torch.inference_mode()
+    def _choice_ids(self, job: Job) -> tuple[tuple[int, ...], ...]:
+        """Each choice's tokens and the end-of-answer token (a choice is scored as a whole answer)."""
+        base = self.base_for(job.model)
+        end_id = self._stop_ids(base)[0]
+        tok = base.tokenizer
+        return tuple(
+            (*tok(choice, add_special_tokens=False, split_special_tokens=True).input_ids, end_id)
+            for choice in job.choices or ()
+        )
+
+    def _choice_tokens(self, job: Job) -> int:
+        return sum(len(c) for c in self._choice_ids(job))
+
     def _score(self, items: list[_Item]) -> list[RowOutput]:
+        """Each choice's log-likelihood (its tokens + end-of-answer) after the prompt: on the static loop (the
+        prompt encoded once, each choice against its cached K/V), else one padded HF forward pass."""
+        spec = self.config.models[items[0].job.model]
+        decoder = self.decoders.get(spec.base)
+        if decoder is not None:
+            try:
+                return self._score_static(decoder, items)
+            except torch.OutOfMemoryError:
+                raise  # _guarded splits the batch
+            except RuntimeError:
+                log.exception("scoring: the static loop failed for base %s; HF forward passes from now on", spec.base)
+                decoder.release()
+                del self.decoders[spec.base]
+        return self._score_eager(items)
+
+    def _score_static(self, decoder: StaticDecoder, items: list[_Item]) -> list[RowOutput]:
+        base = self.base_for(items[0].job.model)
+        rows = [ScoreRow(ids=it.ids, choices=self._choice_ids(it.job), adapter=it.adapter) for it in items]
+        self._fault("score", len(items))
+        scored = decoder.score(
+            rows, pad_id=base.tokenizer.pad_token_id, select=lambda names: self._adapters(base, names)
+        )
+        outputs = []
+        for item, loglik, bad in zip(items, scored.loglik, scored.bad, strict=True):
+            scores = torch.tensor(loglik, dtype=torch.float64)
+            owners = [0] * len(loglik)
+            outputs.append(self._choice_output(item, scores, owners, 0, not bad))
+        return outputs
+
+    @torch.inference_mode()
+    def _score_eager(self, items: list[_Item]) -> list[RowOutput]:
         """Each choice's log-likelihood (its tokens + end-of-answer) after the prompt, in one forward pass."""
         base = self.base_for(items[0].job.model)
         tok = base.tokenizer

@@ -2,13 +2,16 @@
 
 Rooms: `quant4` (the only caller of bitsandbytes' ops), `ops` (fused elementwise steps), `weights` (projections,
 LoRA, joined q/k/v and gate/up, the layer stack's math), `graphs` (the state each graph owns, the KV pool, the
-graph cache), `prefill` (prompts into the cache), `decoder` (the step and the batch loop). See `decoder` for how
-a batch runs.
+graph cache), `prefill` (prompts into the cache), `sampling` (per-row seeded draws in the step), `scoring`
+(choices against the cached prompt), `decoder` (the step and the batch loop). See `decoder` for how a batch
+runs.
 """
 
 from worker.fastpath.decoder import ARCHITECTURES, Decoded, DecodeRow, StaticDecoder, unsupported_reason
 from worker.fastpath.graphs import LENGTH_QUANTUM, ROW_BUCKETS, length_bucket, row_bucket
 from worker.fastpath.prefill import left_pad, to_device
+from worker.fastpath.sampling import Sampling
+from worker.fastpath.scoring import Scored, ScoreRow
 
 __all__ = [
     "ARCHITECTURES",
@@ -16,6 +19,9 @@ __all__ = [
     "ROW_BUCKETS",
     "DecodeRow",
     "Decoded",
+    "Sampling",
+    "ScoreRow",
+    "Scored",
     "StaticDecoder",
     "left_pad",
     "length_bucket",

@@ -52,6 +52,7 @@ from worker.fastpath.graphs import (
 )
 from worker.fastpath.prefill import AdapterSelect, Prefill, adapter_mask
 from worker.fastpath.sampling import Sampling, sample
+from worker.fastpath.scoring import Scored, ScoreRow, score_choices
 from worker.fastpath.weights import Masks, Stack
 
 log = logging.getLogger("kevlaya.fastpath")
@@ -307,6 +308,31 @@ class StaticDecoder:
             self.captures,
         )  # fmt: skip
         return result
+
+    @torch.inference_mode()
+    def score(self, rows: Sequence[ScoreRow], *, pad_id: int, select: AdapterSelect) -> Scored:
+        """Each row's choices scored by log-likelihood after its prompt: the prompt prefilled once into the KV
+        pool (the same pool decoding uses: a take holding both kinds of rows releases nothing), then every
+        choice of the row against that cache (see `scoring`)."""
+        started = time.perf_counter()
+        width = max(len(r.ids) for r in rows)
+        span = max(r.choice_tokens for r in rows)
+        kv = self._kv_views(len(rows), length_bucket(width + span))
+        for k, v in kv:
+            k.zero_()  # padding slots must not hold NaNs (a masked slot weighs 0, but 0 x NaN is NaN)
+            v.zero_()
+        first = self.prefill.run(kv, rows, width=width, out_rows=len(rows), pad_id=pad_id, select=select)
+        scored = score_choices(
+            self.stack,
+            kv,
+            rows,
+            first,
+            width=width,
+            chunk_tokens=self.prefill.tokens,
+            merge_lora=self.prefill.merge_lora,
+        )
+        self.phase_s["score"] += time.perf_counter() - started
+        return scored
 
     def _reset(self, state: State, rows: Sequence[DecodeRow], width: int, mixed_adapters: tuple[str, ...]) -> None:
         """Fresh state for a batch: zeroed cache (stale or uninitialised slots must not hold NaNs: a masked
