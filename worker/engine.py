@@ -41,8 +41,9 @@ from worker.fastpath import (
 )
 from worker.fastpath.sampling import Sampling
 from worker.loading import LoadedBase, load_all
-from worker.memory import DTYPE_BYTES, BatchPlan, plan_batch
+from worker.memory import DTYPE_BYTES, MIB, RESERVE_BYTES, BatchPlan, plan_batch
 from worker.outputs import RowOutput
+from worker.planner import ALLOCATOR_SLACK_BYTES, default_budget, held_bytes, measure, set_allocator_cap
 from worker.templates import Pieces, prompt_pieces_many
 
 log = logging.getLogger("kevlaya.engine")
@@ -62,6 +63,15 @@ class _Item:
     ids: list[int]
     max_new: int
     adapter: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStats:
+    oom: int  # out-of-memory errors survived (0 when the plan is right)
+    captures: int  # decode graphs captured so far
+    budget_bytes: int | None  # the whole process's budget (CUDA: GPU total minus a margin unless given)
+    outside_allocator_bytes: int  # CUDA: context, kernels, workspaces (measured)
+    process_bytes: int | None  # CUDA: the process now, as the driver reports it
 
 
 class Engine:
@@ -90,10 +100,14 @@ class Engine:
         self.fault_hook = fault_hook
         self.compile_ops = compile_ops  # torch.compile'd elementwise kernels in the loop (bf16/fp16 on CUDA)
         self._deadline: float | None = None
-        if self.device.type == "cuda" and memory_budget_bytes:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, memory_budget_bytes / total), self.device)
+        self.oom_count = 0  # out-of-memory errors survived: each one is a planning bug (see `_guarded`)
+        self.outside_allocator_bytes = 0  # CUDA: context, kernels, workspaces (measured; see worker/planner.py)
+        self._held_bytes: int | None = None  # CUDA: what the allocator holds beyond the KV pools, at the last look
         if self.device.type == "cuda":
+            torch.zeros(1, device=self.device)  # the CUDA context exists before the memory outside torch is measured
+            if memory_budget_bytes is None:
+                self.memory_budget_bytes = default_budget(self.device)
+            self._cap_allocator("start")
             torch.cuda.reset_peak_memory_stats(self.device)  # the peak we report is this engine's, not a build's
         # `bases` lets a caller that loaded the models itself (kevlaya memory, measuring each stage) reuse them.
         self.bases: dict[str, LoadedBase] = bases if bases is not None else load_all(config, self.device)
@@ -107,6 +121,22 @@ class Engine:
         self.resident_bytes = self._resident_bytes()  # after the loops: they keep float32 4-bit scales resident
         if self.device.type == "cuda":
             self.warm_up()
+            self._cap_allocator("warm-up")  # the warm-up loaded kernels (compiled ones, cuBLAS, flash) into the context
+
+    def _cap_allocator(self, when: str) -> None:
+        """The allocator's cap: the budget minus what the driver counts outside the allocator, as measured now."""
+        reading = measure(self.device)
+        self.outside_allocator_bytes = reading.outside_allocator_bytes
+        assert self.memory_budget_bytes is not None
+        cap = self.memory_budget_bytes - self.outside_allocator_bytes
+        set_allocator_cap(self.device, cap)
+        log.info(
+            "memory (%s): budget %d MiB for the whole process; %d MiB outside torch's allocator (context, kernels, "
+            "workspaces; %s); allocator capped at %d MiB",
+            when, self.memory_budget_bytes // MIB, self.outside_allocator_bytes // MIB,
+            "this process per NVML" if reading.per_process else "the device's used memory: NVML unavailable",
+            cap // MIB,
+        )  # fmt: skip
 
     def warm_up(self) -> None:
         """One tiny batch per model (and per mixed pair) through each static loop, then its graphs and cache
@@ -177,14 +207,15 @@ class Engine:
         """How many rows of this model fit the memory budget (default: its full input and output limits)."""
         spec = self.config.models[model]
         base = self.base_for(model)
-        budget = self.memory_budget_bytes or (1 << 62)
+        budget = (self.memory_budget_bytes or (1 << 62)) - self.outside_allocator_bytes
         inputs = input_tokens or spec.max_input_tokens
         new = spec.max_new_tokens if new_tokens is None else new_tokens
         decoder = self.decoders.get(spec.base) if new > 0 else None
         plan = plan_batch(
             base.shape,
             budget_bytes=budget,
-            resident_bytes=self.resident_bytes,
+            resident_bytes=self._held_bytes if self._held_bytes is not None else self.resident_bytes,
+            reserve_bytes=ALLOCATOR_SLACK_BYTES if self.device.type == "cuda" else RESERVE_BYTES,
             input_tokens=inputs,
             new_tokens=new,
             dtype_bytes=DTYPE_BYTES[base.spec.compute_dtype],
@@ -206,7 +237,16 @@ class Engine:
         it from being split (each sub-batch decodes as many steps as its longest answer)."""
         seen = max(TYPICAL_INPUT_TOKENS, self._longest_prompt.get(model, 0))
         typical = min(self.config.models[model].max_input_tokens, seen)
+        self.refresh_memory()
         return max(1, self.plan(model, input_tokens=typical).max_rows)
+
+    def refresh_memory(self) -> None:
+        """Look again at what the allocator holds (CUDA), so the next plans count what is resident now: weights,
+        captured graphs' pool, anything cached -- but not the KV pools, which the next batch reuses or replaces."""
+        if self.device.type != "cuda":
+            return
+        pools = sum(d.pool.nbytes for d in self.decoders.values())
+        self._held_bytes = held_bytes(self.device) - pools
 
     def expect(self, job: Job) -> None:
         """A job about to be queued (the worker's longest new follow-up): its prompt length sizes that model's
@@ -226,6 +266,17 @@ class Engine:
         """Whether two models can share one (mixed) batch: the same resident base."""
         return self.config.models[a].base == self.config.models[b].base
 
+    def stats(self) -> EngineStats:
+        """Counters for logs, status and benchmarks."""
+        process = measure(self.device).driver_bytes if self.device.type == "cuda" else None
+        return EngineStats(
+            oom=self.oom_count,
+            captures=sum(d.captures for d in self.decoders.values()),
+            budget_bytes=self.memory_budget_bytes,
+            outside_allocator_bytes=self.outside_allocator_bytes,
+            process_bytes=process,
+        )
+
     def peak_memory_bytes(self) -> int:
         """Peak GPU memory allocated (CUDA), else the process's peak resident set size."""
         if self.device.type == "cuda":
@@ -239,6 +290,7 @@ class Engine:
         `time_limit_s` bounds the whole call: generation stops at the deadline and the rows it cut short,
         like the sub-batches not started by then, fail with `timeout`; finished rows keep their answers."""
         self._deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+        self.refresh_memory()
         outputs: list[RowOutput | None] = [None] * len(jobs)
         groups: dict[tuple[Any, ...], list[_Item]] = defaultdict(list)
         longest: dict[str, int] = {}
@@ -316,6 +368,12 @@ class Engine:
             return fn(items)
         except torch.OutOfMemoryError:
             pass
+        self.oom_count += 1
+        log.error(
+            "OUT OF MEMORY at %d rows (out-of-memory error #%d of this worker): the memory plan let this batch "
+            "past what the budget holds -- a planning bug, please report it; surviving it by %s",
+            len(items), self.oom_count, "releasing the decode graphs and cache" if not retried else "splitting",
+        )  # fmt: skip
         freed = self._release_memory()
         if freed and not retried:
             log.warning("out of memory at %d rows; retrying once with the decode graphs and cache released", len(items))

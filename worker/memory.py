@@ -19,7 +19,8 @@ MIB = 1024**2
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # NF4/FP4 weights: 4 bits + one absmax per 64 weights (fp32, or ~8 bits with double quantisation).
 QUANT_BYTES_PER_PARAM = {True: 0.5 + 1.0 / 64, False: 0.5 + 4.0 / 64}
-# Kept free for the CUDA context, allocator slack and fragmentation.
+# Kept free where nothing is measured (CPU, estimates) for the context, allocator slack and fragmentation; on
+# CUDA the engine measures what lies outside the allocator and keeps only the allocator's slack (worker/planner.py).
 RESERVE_BYTES = 512 * MIB
 # Measured on an H200 capped at 6 GiB (Qwen2.5-1.5B shape, NF4 + LoRA, 192-token prompts): the real peak per
 # row ran up to ~1.3x this model's estimate (LoRA temporaries, float32 upcasts); plan with that margin.
@@ -119,6 +120,7 @@ def plan_batch(
     prefill_chunk_tokens: int | None = None,
     cache_tokens: int | None = None,
     flash_prefill: bool = False,
+    reserve_bytes: int = RESERVE_BYTES,
 ) -> BatchPlan:
     """The largest number of rows of `input_tokens + new_tokens` that fits in what the budget leaves.
 
@@ -126,7 +128,7 @@ def plan_batch(
     prefill activations are one fixed chunk's, not a per-row cost, and each row keeps `cache_tokens` of KV
     (allocated exactly, so planned without the safety margin the estimates get). `flash_prefill`: the loop's
     own prefill, whose unmasked causal attention never builds a score matrix (flash / memory-efficient)."""
-    free = budget_bytes - resident_bytes - RESERVE_BYTES
+    free = budget_bytes - resident_bytes - reserve_bytes
     kv = shape.kv_bytes_per_token(dtype_bytes)
     if prefill_chunk_tokens is None:
         per_row = (input_tokens + new_tokens) * kv + input_tokens * shape.prefill_bytes_per_token(dtype_bytes)
