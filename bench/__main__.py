@@ -1,4 +1,4 @@
-"""`python -m bench {engine|nightly|fastpath|submit|soak} ...`: the benchmarks (timings live here, never in tests)."""
+"""`python -m bench {engine|nightly|fastpath|mixed|submit|soak} ...`: the benchmarks (timings here, never in tests)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ def main() -> None:
         "submit": "bench.submit",
         "soak": "bench.soak",
         "fastpath": "bench.fastpath",
+        "mixed": "bench.mixed",
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(f"usage: python -m bench {{{'|'.join(commands)}}} [--help]", file=sys.stderr)
