@@ -50,6 +50,7 @@ from worker.fastpath.graphs import (
     length_bucket,
     row_bucket,
 )
+from worker.fastpath.ops import prefill_attention
 from worker.fastpath.prefill import AdapterSelect, Prefill, adapter_mask
 from worker.fastpath.sampling import Sampling, sample
 from worker.fastpath.scoring import Scored, ScoreRow, score_choices
@@ -328,15 +329,16 @@ class StaticDecoder:
             k.zero_()  # padding slots must not hold NaNs (a masked slot weighs 0, but 0 x NaN is NaN)
             v.zero_()
         first = self.prefill.run(kv, rows, width=width, out_rows=len(rows), pad_id=pad_id, select=select)
-        scored = score_choices(
-            self.stack,
-            kv,
-            rows,
-            first,
-            width=width,
-            chunk_tokens=self.prefill.tokens,
-            merge_lora=self.prefill.merge_lora,
-        )
+        with prefill_attention(self.device):  # not cuDNN: it plans anew for every (rows, length) shape
+            scored = score_choices(
+                self.stack,
+                kv,
+                rows,
+                first,
+                width=width,
+                chunk_tokens=self.prefill.tokens,
+                merge_lora=self.prefill.merge_lora,
+            )
         self.phase_s["score"] += time.perf_counter() - started
         return scored
 
