@@ -6,6 +6,7 @@ rows included, on both paths.)"""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -157,6 +158,26 @@ def test_a_captured_bucket_a_little_larger_serves_a_batch(pair: tuple[TokenRecor
     assert set(decoder.graphs.entries) == entries
     assert_same(eager, static, batch("kev", 7))  # bucket 8: 24 is too large, a new entry
     assert len(decoder.graphs.entries) == len(entries) + 1
+
+
+def test_a_captured_graph_a_little_longer_serves_a_batch_the_pool_already_holds(
+    pair: tuple[TokenRecorder, TokenRecorder],
+) -> None:
+    """With graphs, a batch runs in an entry of up to `length_slack` x its cache length (extra slots masked)
+    when the KV pool already holds that entry: no capture, no memory beyond what is allocated."""
+    eager = pair[0]
+    static = TokenRecorder(eager.config, device="cpu", decode="static", bases=eager.bases)
+    decoder = next(iter(static.decoders.values()))
+    decoder.graphs.length_slack = 4.0  # whatever the two lengths, the longer serves
+    long = [Job(custom_id=f"l{i}", model="kev", prompt=PROMPTS[4] * 4 + str(i)) for i in range(4)]
+    short = [Job(custom_id=f"s{i}", model="kev", prompt=PROMPTS[0] + str(i)) for i in range(4)]
+    assert_same(eager, static, long)
+    (entry,) = decoder.graphs.entries
+    assert_same(eager, static, short)
+    assert list(decoder.graphs.entries) == [entry]  # served by the longer entry
+    smaller = replace(entry, length=entry.length - 64)
+    assert decoder.graphs.reusable(smaller, decoder.pool.fits) == entry
+    assert decoder.graphs.reusable(smaller, lambda rows, length: False) == smaller  # the pool must hold it
 
 
 def test_deadline_fails_rows_it_cut_short(tiny_models: Path) -> None:

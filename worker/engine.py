@@ -247,6 +247,11 @@ class Engine:
             return
         pools = sum(d.pool.nbytes for d in self.decoders.values())
         self._held_bytes = held_bytes(self.device) - pools
+        # Kernels for new shapes (flash attention, cuBLAS) load into the context as batches come: the measured
+        # H200 process grew past the budget by 10 MiB with the cap set only at start and after the warm-up.
+        outside = measure(self.device).outside_allocator_bytes
+        if outside > self.outside_allocator_bytes:
+            self._cap_allocator("grown")
 
     def expect(self, job: Job) -> None:
         """A job about to be queued (the worker's longest new follow-up): its prompt length sizes that model's
@@ -366,13 +371,13 @@ class Engine:
         inside it, the traceback would keep the failed attempt's activations alive."""
         try:
             return fn(items)
-        except torch.OutOfMemoryError:
-            pass
+        except torch.OutOfMemoryError as exc:
+            what = str(exc).split("\n")[0][:300]  # the text only: the exception would keep the attempt alive
         self.oom_count += 1
         log.error(
             "OUT OF MEMORY at %d rows (out-of-memory error #%d of this worker): the memory plan let this batch "
-            "past what the budget holds -- a planning bug, please report it; surviving it by %s",
-            len(items), self.oom_count, "releasing the decode graphs and cache" if not retried else "splitting",
+            "past what the budget holds -- a planning bug, please report it; surviving it by %s. %s",
+            len(items), self.oom_count, "releasing the decode graphs and cache" if not retried else "splitting", what,
         )  # fmt: skip
         freed = self._release_memory()
         if freed and not retried:

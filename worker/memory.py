@@ -95,6 +95,10 @@ class ModelShape:
         heads x T x T in the compute dtype plus a float32 softmax. Quadratic: long prompts dominate."""
         return self.heads * input_tokens * input_tokens * 6
 
+    def layer_weight_bytes(self, dtype_bytes: int = 2) -> int:
+        """One decoder layer's linear weights in the compute dtype: what prefill dequantises per layer."""
+        return self.linear_params // self.layers * dtype_bytes
+
     def decode_bytes_per_row(self) -> int:
         """Per-row decode overhead: fp32 logits and their log-softmax, over the vocabulary."""
         return 3 * self.vocab * 4
@@ -137,6 +141,9 @@ def plan_batch(
     else:
         chunk_rows = max(1, prefill_chunk_tokens // max(1, input_tokens))
         chunk = prefill_chunk_tokens * (kv + shape.prefill_bytes_per_token(dtype_bytes))
+        # Prefill dequantises a layer's weights (and, for a single-adapter chunk, merges LoRA into a copy): two
+        # layers' worth at a time. Unplanned, it OOMed long-prompt batches on the H200 under a 6 GiB budget.
+        chunk += 2 * shape.layer_weight_bytes(dtype_bytes)
         if not flash_prefill:
             chunk += chunk_rows * shape.attention_bytes_per_row(input_tokens)
         free -= int(chunk * SAFETY_FACTOR)

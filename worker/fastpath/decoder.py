@@ -33,7 +33,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -222,7 +222,7 @@ class StaticDecoder:
     def _entry(self, key: GraphKey) -> tuple[State, Callable[[], None]]:
         """The state for `key` (or for a captured graph a little larger that can serve it), and how to run one
         step on it: the graph's replay, or the step itself where there are no graphs."""
-        key = replace(key, rows=self.graphs.reusable_rows(key))
+        key = self.graphs.reusable(key, self.pool.fits)
         kv = self._kv_views(key.rows, key.length)  # first: may clear the graphs
         entry = self.graphs.get(key)
         if entry is None:
