@@ -286,8 +286,9 @@ def _row(name: str, r: dict[str, Any], args: argparse.Namespace, argv: list[str]
         f"{r['prompt_tokens_per_s']} prompt + {r['generated_tokens_per_s']} generated tok/s{ratio}, "
         f"{r['oom']} OOM, {r['captures']} captures, {r['errors']} errors, {peak}"
     )
-    where = f"{args.device} budget {args.memory_budget or 'worker default'}, {args.shape or 'default shape'}"
-    return f"| mixed/{name} | {where} | {figures} | `python -m bench mixed {' '.join(argv)}` |"
+    hardware = f"{args.device} budget {args.memory_budget or 'GPU total - 512 MiB (worker default)'}"
+    model = f"{args.shape or 'default'} shape NF4, `kevlaya worker` defaults (+ `--memory-budget` if given)"
+    return f"| mixed/{name} | {hardware} | {model} | {figures} | `python -m bench mixed {' '.join(argv)}` |"
 
 
 if __name__ == "__main__":
