@@ -114,6 +114,7 @@ class Engine:
         self.decoders: dict[str, StaticDecoder] = {}
         self.phase_s: Counter[str] = Counter()  # seconds spent encoding prompts and building outputs
         self._longest_prompt: dict[str, int] = {}  # per model, in its last batch: sizes the worker's take
+        self._choice_cache: dict[tuple[str, tuple[str, ...]], tuple[tuple[int, ...], ...]] = {}
         for name, base in self.bases.items():
             decoder = self._static_decoder(name, base, decode)
             if decoder is not None:
@@ -337,27 +338,28 @@ class Engine:
         """Sub-batches that fit the memory plan at their real lengths. Sorted by length first, so rows of
         similar length share a batch and little compute is spent on padding."""
         model = items[0].job.model
+        on_loop = scoring and self.config.models[model].base in self.decoders
         ordered = sorted(items, key=lambda it: len(it.ids))
         chunks: list[list[_Item]] = []
         current: list[_Item] = []
+        span = new = 0  # the current chunk's most choice tokens, most new tokens (running: no rescans)
         for item in ordered:
             longest = len(item.ids)  # ascending order: the newcomer is the longest in the chunk
-            if scoring and self.config.models[model].base in self.decoders:
+            item_span = self._choice_tokens(item.job) if on_loop else 0
+            if on_loop:
                 # The loop scores a row's choices after its prompt, in the KV pool: planned as a row of the
                 # prompt plus all its choices' tokens (the prompt once, not once per choice).
-                span = max(self._choice_tokens(it.job) for it in [*current, item])
-                rows = self.plan(model, input_tokens=longest, new_tokens=span).max_rows
+                rows = self.plan(model, input_tokens=longest, new_tokens=max(span, item_span)).max_rows
             elif scoring:
                 per_item = max(1, len(item.job.choices or ()))
                 rows = self.plan(model, input_tokens=longest + 8, new_tokens=0).max_rows // per_item
             else:
-                rows = self.plan(
-                    model, input_tokens=longest, new_tokens=max(it.max_new for it in [*current, item])
-                ).max_rows
+                rows = self.plan(model, input_tokens=longest, new_tokens=max(new, item.max_new)).max_rows
             if current and len(current) + 1 > max(1, rows):
                 chunks.append(current)
-                current = []
+                current, span, new = [], 0, 0
             current.append(item)
+            span, new = max(span, item_span), max(new, item.max_new)
         if current:
             chunks.append(current)
         return chunks
@@ -568,14 +570,22 @@ class Engine:
 
     # ---- choice scoring ---------------------------------------------------------------------
     def _choice_ids(self, job: Job) -> tuple[tuple[int, ...], ...]:
-        """Each choice's tokens and the end-of-answer token (a choice is scored as a whole answer)."""
-        base = self.base_for(job.model)
-        end_id = self._stop_ids(base)[0]
-        tok = base.tokenizer
-        return tuple(
-            (*tok(choice, add_special_tokens=False, split_special_tokens=True).input_ids, end_id)
-            for choice in job.choices or ()
-        )
+        """Each choice's tokens and the end-of-answer token (a choice is scored as a whole answer). Cached per
+        base and label set: a take of 600 jobs usually repeats one set of labels."""
+        key = (self.config.models[job.model].base, job.choices or ())
+        cached = self._choice_cache.get(key)
+        if cached is None:
+            base = self.base_for(job.model)
+            end_id = self._stop_ids(base)[0]
+            tok = base.tokenizer
+            cached = tuple(
+                (*tok(choice, add_special_tokens=False, split_special_tokens=True).input_ids, end_id)
+                for choice in job.choices or ()
+            )
+            if len(self._choice_cache) >= 4096:
+                self._choice_cache.clear()  # bounded: label sets chosen per job must not grow it forever
+            self._choice_cache[key] = cached
+        return cached
 
     def _choice_tokens(self, job: Job) -> int:
         return sum(len(c) for c in self._choice_ids(job))
