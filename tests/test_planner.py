@@ -55,6 +55,23 @@ def test_memory_already_held_is_planned_around(engine: Engine) -> None:
         engine._held_bytes = None
 
 
+def test_sampled_rows_are_planned_as_a_few_sampler_slots(engine: Engine) -> None:
+    """Sampled rows draw in sampler slots (their count bucketed), a fixed cost: a plan with a few of them keeps
+    nearly all its rows, and stays inside the budget."""
+    from worker.fastpath.decoder import sampler_slots
+
+    engine.memory_budget_bytes = engine.resident_bytes + RESERVE_BYTES + 30 * MIB
+    try:
+        greedy = engine.plan("kev", input_tokens=64, new_tokens=12)
+        sampled = engine.plan("kev", input_tokens=64, new_tokens=12, sampled_rows=3)
+        slots = sampler_slots(3) * engine.base_for("kev").shape.sampling_bytes_per_slot()
+        assert slots < greedy.free_bytes - sampled.free_bytes < 2 * slots  # the slots' cost, with its margin
+        assert 0 < sampled.max_rows <= greedy.max_rows
+        assert sampled.max_rows * sampled.bytes_per_row <= sampled.free_bytes
+    finally:
+        engine.memory_budget_bytes = None
+
+
 def test_a_take_that_cannot_fit_still_runs_a_row_at_a_time(engine: Engine) -> None:
     engine.memory_budget_bytes = engine.resident_bytes + RESERVE_BYTES  # nothing left: plans of 0 rows
     try:

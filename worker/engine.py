@@ -39,6 +39,7 @@ from worker.fastpath import (
     row_bucket,
     unsupported_reason,
 )
+from worker.fastpath.decoder import sampler_slots
 from worker.fastpath.sampling import Sampling
 from worker.loading import LoadedBase, load_all
 from worker.memory import DTYPE_BYTES, MIB, RESERVE_BYTES, BatchPlan, plan_batch
@@ -204,8 +205,11 @@ class Engine:
             version["adapter"] = base.adapter_fingerprints[model]
         return version
 
-    def plan(self, model: str, *, input_tokens: int | None = None, new_tokens: int | None = None) -> BatchPlan:
-        """How many rows of this model fit the memory budget (default: its full input and output limits)."""
+    def plan(
+        self, model: str, *, input_tokens: int | None = None, new_tokens: int | None = None, sampled_rows: int = 0
+    ) -> BatchPlan:
+        """How many rows of this model fit the memory budget (default: its full input and output limits), with
+        `sampled_rows` of them sampled (their draws need memory of their own)."""
         spec = self.config.models[model]
         base = self.base_for(model)
         budget = (self.memory_budget_bytes or (1 << 62)) - self.outside_allocator_bytes
@@ -225,6 +229,7 @@ class Engine:
             prefill_chunk_tokens=decoder.prefill_tokens if decoder else None,
             cache_tokens=length_bucket(inputs + new) if decoder else None,
             flash_prefill=decoder is not None and decoder.own_prefill,
+            sampler_slots=sampler_slots(sampled_rows) if decoder else 0,
         )
         if decoder is None or plan.max_rows in ROW_BUCKETS:
             return plan
@@ -342,7 +347,7 @@ class Engine:
         ordered = sorted(items, key=lambda it: len(it.ids))
         chunks: list[list[_Item]] = []
         current: list[_Item] = []
-        span = new = 0  # the current chunk's most choice tokens, most new tokens (running: no rescans)
+        span = new = sampled = 0  # the current chunk's most choice tokens, most new tokens, sampled rows
         for item in ordered:
             longest = len(item.ids)  # ascending order: the newcomer is the longest in the chunk
             item_span = self._choice_tokens(item.job) if on_loop else 0
@@ -354,12 +359,16 @@ class Engine:
                 per_item = max(1, len(item.job.choices or ()))
                 rows = self.plan(model, input_tokens=longest + 8, new_tokens=0).max_rows // per_item
             else:
-                rows = self.plan(model, input_tokens=longest, new_tokens=max(new, item.max_new)).max_rows
+                draws = sampled + (item.job.temperature > 0)
+                rows = self.plan(
+                    model, input_tokens=longest, new_tokens=max(new, item.max_new), sampled_rows=draws
+                ).max_rows
             if current and len(current) + 1 > max(1, rows):
                 chunks.append(current)
-                current, span, new = [], 0, 0
+                current, span, new, sampled = [], 0, 0, 0
             current.append(item)
             span, new = max(span, item_span), max(new, item.max_new)
+            sampled += not scoring and item.job.temperature > 0
         if current:
             chunks.append(current)
         return chunks

@@ -99,6 +99,12 @@ class ModelShape:
         """One decoder layer's linear weights in the compute dtype: what prefill dequantises per layer."""
         return self.linear_params // self.layers * dtype_bytes
 
+    def sampling_bytes_per_slot(self) -> int:
+        """What one sampler slot's draw holds at once (worker/fastpath/sampling.py): its gathered logits, the
+        scaled ones, their log-softmax, probabilities and cumulative sums, and for top-p/top-k the sorted
+        values with their int64 order: about 12 fp32-sized vectors over the vocabulary."""
+        return 12 * self.vocab * 4
+
     def decode_bytes_per_row(self) -> int:
         """Per-row decode overhead: fp32 logits and their log-softmax, over the vocabulary."""
         return 3 * self.vocab * 4
@@ -125,14 +131,18 @@ def plan_batch(
     cache_tokens: int | None = None,
     flash_prefill: bool = False,
     reserve_bytes: int = RESERVE_BYTES,
+    sampler_slots: int = 0,
 ) -> BatchPlan:
     """The largest number of rows of `input_tokens + new_tokens` that fits in what the budget leaves.
 
     With `prefill_chunk_tokens` (the static decode loop), prompts are prefilled in chunks of that many tokens:
     prefill activations are one fixed chunk's, not a per-row cost, and each row keeps `cache_tokens` of KV
     (allocated exactly, so planned without the safety margin the estimates get). `flash_prefill`: the loop's
-    own prefill, whose unmasked causal attention never builds a score matrix (flash / memory-efficient)."""
+    own prefill, whose unmasked causal attention never builds a score matrix (flash / memory-efficient).
+    `sampler_slots`: the batch's sampled rows, bucketed, each drawing over the vocabulary in every step."""
     free = budget_bytes - resident_bytes - reserve_bytes
+    # Sampled rows draw in a fixed number of slots (not per row of the batch): a fixed cost, with the margin.
+    free -= int(sampler_slots * shape.sampling_bytes_per_slot() * SAFETY_FACTOR)
     kv = shape.kv_bytes_per_token(dtype_bytes)
     if prefill_chunk_tokens is None:
         per_row = (input_tokens + new_tokens) * kv + input_tokens * shape.prefill_bytes_per_token(dtype_bytes)

@@ -52,13 +52,19 @@ from worker.fastpath.graphs import (
 )
 from worker.fastpath.ops import prefill_attention
 from worker.fastpath.prefill import AdapterSelect, Prefill, adapter_mask
-from worker.fastpath.sampling import Sampling, sample
+from worker.fastpath.sampling import Sampling, draw_rows
 from worker.fastpath.scoring import Scored, ScoreRow, score_choices
 from worker.fastpath.weights import Masks, Stack
 
 log = logging.getLogger("kevlaya.fastpath")
 
 ARCHITECTURES = ("qwen2", "llama", "mistral")
+
+
+def sampler_slots(sampled: int) -> int:
+    """Sampler slots for a batch with this many sampled rows (0 for none): bucketed like rows, so a few
+    graphs serve every mix."""
+    return row_bucket(sampled) if sampled else 0
 
 
 @dataclass(frozen=True)
@@ -200,10 +206,9 @@ class StaticDecoder:
         if state.sampling is not None:
             # Sampled rows draw from their own distribution (greedy rows keep the argmax above); a non-finite
             # row still ends with `end_id`.
-            drawn, drawn_logprob = sample(logits, state.sampling, state.step, filtered=state.filtered)
-            use = state.sampling.on & finite
-            token = torch.where(use, drawn, token)
-            logprob = torch.where(use, drawn_logprob, logprob)
+            token, logprob = draw_rows(
+                logits, token, logprob, finite, state.sampling, state.step, filtered=state.filtered
+            )
         state.bad |= ~finite & ~state.finished
         token = torch.where(state.finished, state.pad_id, token)
         state.tokens.index_copy_(1, state.step, token.unsqueeze(1))
@@ -274,7 +279,7 @@ class StaticDecoder:
             adapters=tuple(sorted(a for a in names if a is not None)),
             mixed=len(names) > 1,
             ends=Ends(end_id=stop_ids[0], pad_id=pad_id, stops=tuple(sorted(set(stop_ids)))),
-            sampled=any(r.sampling is not None for r in rows),
+            samplers=sampler_slots(sum(r.sampling is not None for r in rows)),
             filtered=any(r.sampling is not None and r.sampling.filtered for r in rows),
         )
         started = time.perf_counter()

@@ -55,8 +55,14 @@ class GraphKey:
     adapters: tuple[str, ...]
     mixed: bool  # per-row adapter masks (else every row uses every adapter in `adapters`: zero or one)
     ends: Ends
-    sampled: bool = False  # some row samples: the step draws per row (greedy-only batches skip that work)
-    filtered: bool = False  # some sampled row cuts to top-p / top-k: the step sorts each row's logits
+    # Sampler slots: the batch's sampled rows, bucketed (0: greedy only, the step skips drawing). Only these
+    # slots draw, so a few sampled rows among hundreds cost a few rows' worth of sampling work and memory.
+    samplers: int = 0
+    filtered: bool = False  # some sampled row cuts to top-p / top-k: the step sorts its slots' logits
+
+    @property
+    def sampled(self) -> bool:
+        return self.samplers > 0
 
 
 class State:
@@ -88,7 +94,7 @@ class State:
         self.adapter_masks: dict[str, torch.Tensor] = {
             name: zeros(rows, 1, 1, dtype=dtype) for name in (key.adapters if key.mixed else ())
         }
-        self.sampling = SamplingState(rows, device) if key.sampled else None
+        self.sampling = SamplingState(key.samplers, rows, device) if key.sampled else None
         self.filtered = key.filtered
 
 
@@ -155,15 +161,17 @@ class GraphCache:
 
     def reusable(self, key: GraphKey, fits: Callable[[int, int], bool]) -> GraphKey:
         """An already captured graph's key that can serve this batch instead of a new capture: the same key but
-        for up to `reuse_slack` x the rows (its extra rows idle along) and up to `length_slack` x the cache
+        for up to 2x the sampler slots, up to `reuse_slack` x the rows (its extra rows idle along) and up to
+        `length_slack` x the cache
         length (the extra slots stay masked), whose rows x length the KV pool already holds (`fits`: no memory
         beyond what is allocated, so no plan is exceeded). A capture costs ~0.5 s on the H200; a step of 256
         rows costs ~5% more than one of 224, and a few masked columns cost the attention almost nothing."""
         fitting = [
             k
             for k in self.entries
-            if replace(k, rows=key.rows, length=key.length) == key
+            if replace(k, rows=key.rows, length=key.length, samplers=key.samplers) == key
             and key.rows <= k.rows <= key.rows * self.reuse_slack
+            and key.samplers <= k.samplers <= 2 * key.samplers  # spare sampler slots idle (greedy stays greedy)
             and key.length <= k.length <= key.length * self.length_slack
             and fits(k.rows, k.length)
         ]

@@ -7,7 +7,9 @@ integer ops, so a seeded row gets the same draws whatever batch it runs in, and 
 The token is then drawn by inverting the row's cumulative distribution (one uniform per token, not one per
 vocabulary entry as Gumbel-max would need).
 
-Greedy rows in the same batch take the argmax as before: their tokens do not change beside sampled rows.
+Greedy rows in the same batch take the argmax as before: their tokens do not change beside sampled rows. Only
+the batch's sampled rows draw (gathered into sampler slots, a graph key's bucketed count), so a few sampled
+rows among hundreds cost a few rows' worth of sampling work and memory.
 """
 
 from __future__ import annotations
@@ -35,35 +37,42 @@ class Sampling:
 
 
 class SamplingState:
-    """The per-row sampling parameters a graph reads (owned by its `State`, like every tensor it reads)."""
+    """The sampler slots a graph reads (owned by its `State`, like every tensor it reads): which batch row each
+    slot draws for, and that row's parameters. Unused slots point at `rows` (a scratch row past the batch)."""
 
-    def __init__(self, rows: int, device: torch.device) -> None:
-        self.on = torch.zeros(rows, dtype=torch.bool, device=device)  # False: a greedy row
-        self.temperature = torch.ones(rows, dtype=torch.float32, device=device)
-        self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
-        self.top_k = torch.zeros(rows, dtype=torch.long, device=device)  # 0 set to the vocabulary at reset
-        self.seed = torch.zeros(rows, dtype=torch.long, device=device)
-        self.filtered = torch.zeros(rows, dtype=torch.bool, device=device)  # this row cuts to top-p / top-k
+    def __init__(self, slots: int, rows: int, device: torch.device) -> None:
+        self.rows = rows
+        self.index = torch.full((slots,), rows, dtype=torch.long, device=device)  # the batch row of each slot
+        self.on = torch.zeros(slots, dtype=torch.bool, device=device)  # False: an unused slot
+        self.temperature = torch.ones(slots, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(slots, dtype=torch.long, device=device)  # 0 set to the vocabulary at reset
+        self.seed = torch.zeros(slots, dtype=torch.long, device=device)
+        self.filtered = torch.zeros(slots, dtype=torch.bool, device=device)  # this slot cuts to top-p / top-k
 
     def reset(self, rows: list[Sampling | None], vocab: int) -> None:
-        """This batch's parameters (rows past `len(rows)`, bucket padding, are greedy)."""
-        n = len(rows)
-        on = torch.zeros(self.on.shape[0], dtype=torch.bool)
-        temperature = torch.ones(self.on.shape[0], dtype=torch.float32)
-        top_p = torch.ones(self.on.shape[0], dtype=torch.float32)
-        top_k = torch.full((self.on.shape[0],), vocab, dtype=torch.long)
-        seed = torch.zeros(self.on.shape[0], dtype=torch.long)
-        filtered = torch.zeros(self.on.shape[0], dtype=torch.bool)
-        for i, s in enumerate(rows[:n]):
-            if s is None:
-                continue
-            on[i] = True
-            temperature[i] = s.temperature
-            top_p[i] = s.top_p
-            top_k[i] = s.top_k if s.top_k > 0 else vocab
-            seed[i] = s.seed
-            filtered[i] = s.filtered
+        """This batch's sampled rows into the slots, in row order; the other slots unused."""
+        slots = self.on.shape[0]
+        index = torch.full((slots,), self.rows, dtype=torch.long)
+        on = torch.zeros(slots, dtype=torch.bool)
+        temperature = torch.ones(slots, dtype=torch.float32)
+        top_p = torch.ones(slots, dtype=torch.float32)
+        top_k = torch.full((slots,), vocab, dtype=torch.long)
+        seed = torch.zeros(slots, dtype=torch.long)
+        filtered = torch.zeros(slots, dtype=torch.bool)
+        sampled = [(i, s) for i, s in enumerate(rows) if s is not None]
+        if len(sampled) > slots:
+            raise ValueError(f"{len(sampled)} sampled rows for {slots} sampler slots")
+        for j, (i, s) in enumerate(sampled):
+            index[j] = i
+            on[j] = True
+            temperature[j] = s.temperature
+            top_p[j] = s.top_p
+            top_k[j] = s.top_k if s.top_k > 0 else vocab
+            seed[j] = s.seed
+            filtered[j] = s.filtered
         for dst, src in (
+            (self.index, index),
             (self.on, on),
             (self.temperature, temperature),
             (self.top_p, top_p),
@@ -72,6 +81,30 @@ class SamplingState:
             (self.filtered, filtered),
         ):
             dst.copy_(src)
+
+
+def draw_rows(
+    logits: torch.Tensor,
+    token: torch.Tensor,
+    logprob: torch.Tensor,
+    finite: torch.Tensor,
+    params: SamplingState,
+    step: torch.Tensor,
+    *,
+    filtered: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token` and `logprob` (the greedy choice, per row) with each sampled row's draw in its place: the slots
+    gather their rows' logits, draw, and write back (unused slots write into a scratch row past the batch).
+    A non-finite row keeps what the caller chose for it."""
+    rows = token.shape[0]
+    gather = params.index.clamp(max=rows - 1)  # an unused slot reads any row; what it draws is discarded
+    drawn, drawn_logprob = sample(logits.index_select(0, gather), params, step, filtered=filtered)
+    use = params.on & finite.index_select(0, gather)
+    tokens = torch.cat((token, token.new_zeros(1)))
+    logprobs = torch.cat((logprob, logprob.new_zeros(1)))
+    tokens.index_copy_(0, params.index, torch.where(use, drawn, tokens.index_select(0, params.index)))
+    logprobs.index_copy_(0, params.index, torch.where(use, drawn_logprob, logprobs.index_select(0, params.index)))
+    return tokens[:rows], logprobs[:rows]
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
