@@ -1,4 +1,4 @@
-"""`python -m bench {engine|nightly|fastpath|submit|soak|recovery} ...`: the benchmarks (timings only)."""
+"""`python -m bench {engine|nightly|fastpath|mixed|submit|soak|recovery} ...`: the benchmarks (timings only)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def main() -> None:
         "soak": "bench.soak",
         "fastpath": "bench.fastpath",
         "recovery": "bench.recovery",
+        "mixed": "bench.mixed",
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(f"usage: python -m bench {{{'|'.join(commands)}}} [--help]", file=sys.stderr)

@@ -83,12 +83,13 @@ def nightly(redis: Redis, engine: Engine, jobs: list[dict[str, Any]], out_dir: P
     client = Client(redis=redis)
     profiler = cProfile.Profile() if profile else None
     phases_before = engine.phase_seconds()
+    stats_before = engine.stats()
     start = time.perf_counter()
     handle = client.submit_batch(jobs)
     submitted = time.perf_counter()
     if profiler:
         profiler.enable()
-    worker, thread = run_worker(redis, engine, max_wait_ms=60_000, name="nightly")
+    worker, thread = run_worker(redis, engine, name="nightly")  # the worker's defaults, as a user runs it
     record = client.wait(handle.id, poll_s=0.05)
     drained = time.perf_counter()
     worker.request_stop()
@@ -119,6 +120,8 @@ def nightly(redis: Redis, engine: Engine, jobs: list[dict[str, Any]], out_dir: P
         "switches": st.switches,
         "batch_sizes": dict(st.batch_sizes),
         "peak_memory_bytes": st.peak_memory_bytes,
+        "oom": engine.stats().oom - stats_before.oom,
+        "captures": engine.stats().captures - stats_before.captures,
         "job_queued_s_mean": statistics.mean(queued) if queued else None,
         "job_engine_s_mean": statistics.mean(engine_s) if engine_s else None,
         # Inside the engine: encode, outputs, and the static loop's setup/prefill/decode (+ its step count).
@@ -349,7 +352,8 @@ def _row(r: dict[str, Any], argv: list[str]) -> str:
         parts.append(
             f"{n['end_to_end_s']:.1f} s end to end, {n['decisions_per_s']:.1f} decisions/s, "
             f"{n['generated_tokens_per_s']:.0f} generated tok/s, {n['escalated']} escalated, {n['batches']} batches, "
-            f"{n['switches']} switches, peak {n['peak_memory_bytes'] / MIB:.0f} MiB"
+            f"{n['switches']} switches, {n.get('oom', 'n/a')} OOM, {n.get('captures', 'n/a')} captures, "
+            f"peak {n['peak_memory_bytes'] / MIB:.0f} MiB (torch's allocator)"
         )
         ph = n.get("engine_phases_s", {})
         if "prefill" in ph:
@@ -377,7 +381,8 @@ def _row(r: dict[str, Any], argv: list[str]) -> str:
         best = max(r["sweep"], key=lambda s: s["decisions_s"])
         parts.append(f"engine alone peaks at {best['decisions_s']:.1f} decisions/s at batch {best['batch']}")
     cmd = " ".join(["python -m bench nightly", *argv])
-    model += f", decode {r.get('decode', 'auto')}"
+    # The one setting that differs from `kevlaya worker`'s defaults (max-wait-ms is the default 2,000 since h14).
+    model += f", decode {r.get('decode', 'auto')}, worker defaults but --max-batch-rows 512 (default 256)"
     return f"| nightly-{r['items']} | {r['hardware']} | {model} | {'; '.join(parts)} | `{cmd}` |"
 
 

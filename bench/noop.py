@@ -22,7 +22,7 @@ class NoopEngine:
     def run(self, jobs: Sequence[Job], *, time_limit_s: float | None = None) -> list[RowOutput]:
         return [RowOutput(text="ok", decision="ok", confidence=1.0, prompt_tokens=1, completion_tokens=1) for _ in jobs]
 
-    def max_rows(self, model: str) -> int:
+    def capacity(self, model: str) -> int:
         return 256
 
     def expect(self, job: Job) -> None:

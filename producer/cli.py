@@ -188,7 +188,8 @@ def status(ctx: click.Context, batch: str | None, as_json: bool, wait: bool, tim
             click.echo(f"queue {name}: {depth} queued")
         click.echo(f"workers seen (last 60 s): {len(info['workers'])}")
         for w in info["workers"]:
-            click.echo(f"  {w['name']} (heartbeat {w['last_seen_s']} s ago)")
+            counted = ", ".join(f"{k.replace('_', ' ')} {w[k]}" for k in ("jobs", "out_of_memory") if k in w)
+            click.echo(f"  {w['name']} (heartbeat {w['last_seen_s']} s ago{'; ' + counted if counted else ''})")
         quarantine = info["quarantine"]
         if quarantine["total"]:
             click.echo(f"quarantined (unreadable entries moved aside by workers): {quarantine['total']}")

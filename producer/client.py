@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 from redis import Redis
-from redis.exceptions import WatchError
+from redis.exceptions import ResponseError, WatchError
 
 from shared import models as known_models
 from shared.conn import connect
@@ -306,6 +306,16 @@ class Client:
         """One dict per item in input order: final answer (with its escalation chain) or error."""
         return iter_export(self.redis, self.keys, batch)
 
+    def _worker_row(self, raw_name: bytes, age_s: float) -> dict[str, Any]:
+        name = raw_name.decode("utf-8", "replace")
+        fields = ("jobs", "batches", "out_of_memory", "quarantined", "crashes_survived")
+        try:
+            values = self.redis.hmget(self.keys.worker_stats(name), fields)
+        except ResponseError:
+            values = [None] * len(fields)
+        counts = {f: int(v) for f, v in zip(fields, values, strict=True) if v is not None and v.isdigit()}
+        return {"name": name, "last_seen_s": round(age_s, 1), **counts}
+
     def batches(self, *, limit: int = 20) -> list[BatchRecord]:
         """The newest batches first (those whose keys have expired are left out)."""
         out = []
@@ -324,7 +334,7 @@ class Client:
         workers = self.redis.zrangebyscore(self.keys.workers(), now - 60, "+inf", withscores=True)
         return {
             "queues": {m: q.count for m, q in self.queues.items()},
-            "workers": [{"name": n.decode("utf-8", "replace"), "last_seen_s": round(now - s, 1)} for n, s in workers],
+            "workers": [self._worker_row(n, now - s) for n, s in workers],
             "quarantine": quarantine_summary(self.redis, self.keys),
         }
 

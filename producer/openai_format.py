@@ -18,10 +18,10 @@ CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 
 # Body fields taken as they are, or mapped; anything else is refused.
-_DIRECT = {"temperature": "temperature", "seed": "seed", "metadata": "meta"}
+_DIRECT = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "metadata": "meta"}
 _LIMITS = ("max_completion_tokens", "max_tokens")
 # Fields whose neutral value changes nothing, so accepting it is honest; any other value is refused.
-_NEUTRAL = {"n": (1,), "stream": (False,), "top_p": (1, 1.0), "logprobs": (False, None), "stop": (None, [], "")}
+_NEUTRAL = {"n": (1,), "stream": (False,), "logprobs": (False, None), "stop": (None, [], "")}
 # kevlaya's own job fields may ride along in the body (choices, escalate, truncate).
 _KEVLAYA = ("choices", "escalate", "truncate")
 

@@ -44,6 +44,8 @@ USER_FIELDS = frozenset(
         "escalate",
         "truncate",
         "temperature",
+        "top_p",
+        "top_k",
         "seed",
         "meta",
     }
@@ -78,6 +80,8 @@ class Job:
     escalate: bool | float | None = None
     truncate: bool = False
     temperature: float = 0.0
+    top_p: float = 1.0  # with temperature > 0: sample from the smallest set of tokens reaching this probability
+    top_k: int = 0  # with temperature > 0: sample from the k most likely tokens (0: no cut)
     seed: int | None = None
     meta: Any = None
     batch: str | None = None
@@ -91,7 +95,7 @@ class Job:
         for key, value in asdict(self).items():
             if value is None or (key == "truncate" and value is False):
                 continue
-            if key == "temperature" and value == 0.0:
+            if (key, value) in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0)):
                 continue
             out[key] = list(value) if key == "choices" else value
         return out
@@ -142,6 +146,8 @@ class Job:
             escalate=_escalate(obj.get("escalate")),
             truncate=_bool(obj.get("truncate", False), "truncate"),
             temperature=_temperature(obj.get("temperature", 0.0)),
+            top_p=_top_p(obj.get("top_p", 1.0)),
+            top_k=_top_k(obj.get("top_k", 0)),
             seed=_seed(obj.get("seed")),
             meta=_meta(obj.get("meta"), limits),
             batch=_optional_str(obj.get("batch"), "batch"),
@@ -253,6 +259,18 @@ def _temperature(value: Any) -> float:
     if not math.isfinite(value):
         raise ValidationError("'temperature' must be finite", field="temperature")
     return float(value)
+
+
+def _top_p(value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0.0 < value <= 1.0):
+        raise ValidationError(f"'top_p' must be a number in (0, 1], got {value!r}", field="top_p")
+    return float(value)
+
+
+def _top_k(value: Any) -> int:
+    if not _int(value) or not 0 <= value <= 1_000_000:
+        raise ValidationError(f"'top_k' must be an integer from 0 (no cut) to 1000000, got {value!r}", field="top_k")
+    return value
 
 
 def _seed(value: Any) -> int | None:

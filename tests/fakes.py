@@ -52,7 +52,7 @@ class FakeEngine:
             completion_tokens=2,
         )
 
-    def max_rows(self, model: str) -> int:
+    def capacity(self, model: str) -> int:
         return self.rows
 
     def expect(self, job: Job) -> None:

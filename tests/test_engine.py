@@ -241,5 +241,9 @@ def test_followup_sees_layas_answer(engine: Engine) -> None:
 
 
 def test_model_version_names_base_and_adapter(engine: Engine) -> None:
-    kev, laya = engine.model_version("kev"), engine.model_version("laya")
+    from worker.versions import model_versions
+
+    versions = model_versions(engine.config)
+    kev, laya = versions["kev"], versions["laya"]
     assert kev["base"] == laya["base"] and kev["adapter"] != laya["adapter"]
+    assert kev["base"] == engine.base_for("kev").fingerprint  # what the loaded weights hash to

@@ -6,6 +6,7 @@ rows included, on both paths.)"""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -61,11 +62,11 @@ def test_token_identical_to_hf_generate(pair: tuple[TokenRecorder, TokenRecorder
 
 def test_prefill_through_the_models_forward_is_identical_too(pair: tuple[TokenRecorder, TokenRecorder]) -> None:
     decoder = next(iter(pair[1].decoders.values()))
-    decoder.own_prefill = False
+    decoder.prefill.own = False
     try:
         assert_same(*pair, batch("mixed", 9))
     finally:
-        decoder.own_prefill = True
+        decoder.prefill.own = True
 
 
 def _failing(message: str) -> Any:
@@ -82,7 +83,7 @@ def test_a_failing_own_prefill_hands_over_to_the_models_forward(tiny_models: Pat
     eager = TokenRecorder(config, device="cpu", decode="eager")
     static = TokenRecorder(config, device="cpu", decode="static", bases=eager.bases)
     decoder = next(iter(static.decoders.values()))
-    decoder._prefill_own = _failing("kernel not available")
+    decoder.prefill.own_layers = _failing("kernel not available")
     assert_same(eager, static, batch("kev", 5))
     assert decoder.own_prefill is False and static.decoders  # the loop itself carries on
 
@@ -90,15 +91,15 @@ def test_a_failing_own_prefill_hands_over_to_the_models_forward(tiny_models: Pat
 def test_small_prefill_chunks_of_their_own_widths_stay_exact(pair: tuple[TokenRecorder, TokenRecorder]) -> None:
     """Prompts of many lengths split into many prefill chunks, each padded only to its own longest prompt."""
     decoder = next(iter(pair[1].decoders.values()))
-    decoder.prefill_tokens = 24
+    decoder.prefill.tokens = 24
     try:
         jobs = [
             Job(custom_id=f"c{i}", model=("kev", "laya")[i % 2], prompt=PROMPTS[i % 5] * (1 + i % 4)) for i in range(11)
         ]
         assert_same(*pair, jobs)
-        assert len(decoder._chunks([_row(len(j.prompt)) for j in jobs], 200, 0)) > 3
+        assert len(decoder.prefill.chunks([_row(len(j.prompt)) for j in jobs], 200, 0)) > 3
     finally:
-        decoder.prefill_tokens = 4096
+        decoder.prefill.tokens = 4096
 
 
 def _row(n: int, adapter: str | None = "kev") -> DecodeRow:
@@ -112,7 +113,7 @@ def test_rows_in_any_order_decode_as_when_sorted(pair: tuple[TokenRecorder, Toke
     base = static.base_for("kev")
     rows = [_row(n, adapter) for n, adapter in [(9, "kev"), (2, "laya"), (14, "kev"), (5, "laya"), (1, "kev")]]
     order = sorted(range(len(rows)), key=lambda i: len(rows[i].ids))
-    decoder.prefill_tokens = 20
+    decoder.prefill.tokens = 20
     try:
 
         def run(rows: list[DecodeRow]) -> torch.Tensor:
@@ -121,7 +122,7 @@ def test_rows_in_any_order_decode_as_when_sorted(pair: tuple[TokenRecorder, Toke
 
         shuffled, ordered = run(rows), run([rows[i] for i in order])
     finally:
-        decoder.prefill_tokens = 4096
+        decoder.prefill.tokens = 4096
     assert torch.equal(shuffled[order], ordered)
 
 
@@ -142,7 +143,7 @@ def test_reused_buckets_stay_exact(pair: tuple[TokenRecorder, TokenRecorder]) ->
     assert_same(eager, static, batch("laya", 3))
     assert_same(eager, static, batch("mixed", 12))
     decoder = next(iter(static.decoders.values()))
-    assert len(decoder._graphs) >= 2  # entries per (rows bucket, length bucket, adapters)
+    assert len(decoder.graphs.entries) >= 2  # entries per (rows bucket, length bucket, adapters)
 
 
 def test_a_captured_bucket_a_little_larger_serves_a_batch(pair: tuple[TokenRecorder, TokenRecorder]) -> None:
@@ -150,13 +151,33 @@ def test_a_captured_bucket_a_little_larger_serves_a_batch(pair: tuple[TokenRecor
     eager = pair[0]
     static = TokenRecorder(eager.config, device="cpu", decode="static", bases=eager.bases)
     decoder = next(iter(static.decoders.values()))
-    decoder.reuse_slack = 1.5
+    decoder.graphs.reuse_slack = 1.5
     assert_same(eager, static, batch("kev", 20))  # bucket 24
-    entries = set(decoder._graphs)
+    entries = set(decoder.graphs.entries)
     assert_same(eager, static, batch("kev", 15))  # bucket 16: 24 <= 1.5 x 16 serves it, its extra rows idle
-    assert set(decoder._graphs) == entries
+    assert set(decoder.graphs.entries) == entries
     assert_same(eager, static, batch("kev", 7))  # bucket 8: 24 is too large, a new entry
-    assert len(decoder._graphs) == len(entries) + 1
+    assert len(decoder.graphs.entries) == len(entries) + 1
+
+
+def test_a_captured_graph_a_little_longer_serves_a_batch_the_pool_already_holds(
+    pair: tuple[TokenRecorder, TokenRecorder],
+) -> None:
+    """With graphs, a batch runs in an entry of up to `length_slack` x its cache length (extra slots masked)
+    when the KV pool already holds that entry: no capture, no memory beyond what is allocated."""
+    eager = pair[0]
+    static = TokenRecorder(eager.config, device="cpu", decode="static", bases=eager.bases)
+    decoder = next(iter(static.decoders.values()))
+    decoder.graphs.length_slack = 4.0  # whatever the two lengths, the longer serves
+    long = [Job(custom_id=f"l{i}", model="kev", prompt=PROMPTS[4] * 4 + str(i)) for i in range(4)]
+    short = [Job(custom_id=f"s{i}", model="kev", prompt=PROMPTS[0] + str(i)) for i in range(4)]
+    assert_same(eager, static, long)
+    (entry,) = decoder.graphs.entries
+    assert_same(eager, static, short)
+    assert list(decoder.graphs.entries) == [entry]  # served by the longer entry
+    smaller = replace(entry, length=entry.length - 64)
+    assert decoder.graphs.reusable(smaller, decoder.pool.fits) == entry
+    assert decoder.graphs.reusable(smaller, lambda rows, length: False) == smaller  # the pool must hold it
 
 
 def test_deadline_fails_rows_it_cut_short(tiny_models: Path) -> None:
@@ -168,15 +189,6 @@ def test_deadline_fails_rows_it_cut_short(tiny_models: Path) -> None:
     for o in outs:
         if o.error is None:  # finished before the first check: it stopped on its own
             assert o.completion_tokens < 400
-
-
-def test_sampled_rows_use_hf_generate(pair: tuple[TokenRecorder, TokenRecorder]) -> None:
-    _, static = pair
-    decoder = next(iter(static.decoders.values()))
-    before = dict(decoder._graphs)
-    outs = static.run([Job(custom_id="s", model="laya", prompt="hello", temperature=0.8, seed=3)])
-    assert outs[0].error is None
-    assert dict(decoder._graphs) == before
 
 
 def test_a_failing_loop_falls_back_to_hf_generate(tiny_models: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -292,24 +304,24 @@ def test_the_take_follows_the_prompt_lengths_last_seen(tiny_models: Path) -> Non
     """After a batch of long prompts the worker takes fewer rows, so its next take is not split in two."""
     engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static", memory_budget_bytes=GIB)
     engine.memory_budget_bytes = engine.resident_bytes + RESERVE_BYTES + 48 * MIB  # a plan below the row cap
-    before = engine.max_rows("kev")
+    before = engine.capacity("kev")
     engine.run([Job(custom_id="long", model="kev", prompt="loan income debt " * 150, max_new_tokens=1)])
     longest = engine._longest_prompt["kev"]
     assert longest > 256
-    assert engine.max_rows("kev") == engine.plan("kev", input_tokens=longest).max_rows < before
+    assert engine.capacity("kev") == engine.plan("kev", input_tokens=longest).max_rows < before
     engine.run([Job(custom_id="short", model="kev", prompt="hi", max_new_tokens=1)])
-    assert engine.max_rows("kev") == before  # never planned below the typical prompt
+    assert engine.capacity("kev") == before  # never planned below the typical prompt
 
 
 def test_an_expected_follow_up_sizes_its_models_take(tiny_models: Path) -> None:
     engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static", memory_budget_bytes=GIB)
     engine.memory_budget_bytes = engine.resident_bytes + RESERVE_BYTES + 48 * MIB  # a plan below the row cap
-    before = engine.max_rows("kev")
+    before = engine.capacity("kev")
     engine.expect(Job(custom_id="f", model="kev", prompt="loan income debt " * 150))
     assert engine._longest_prompt["kev"] > 256
-    assert engine.max_rows("kev") < before
+    assert engine.capacity("kev") < before
     engine.expect(Job(custom_id="short", model="kev", prompt="hi"))  # never lowers what is expected
-    assert engine.max_rows("kev") < before
+    assert engine.capacity("kev") < before
     engine.expect(Job(custom_id="long", model="laya", prompt="x " * 5000))  # too long: fails when it runs
     assert "laya" not in engine._longest_prompt
 
@@ -336,10 +348,10 @@ def _lora_linears(dtype: torch.dtype, outs: tuple[int, ...]) -> tuple[Any, ...]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_loop_lora_matches_peft_and_masks_pick_each_rows_adapter(dtype: torch.dtype) -> None:
-    from worker.fastpath import _Proj
+    from worker.fastpath.weights import Proj
 
     (layer,) = _lora_linears(dtype, (48,))
-    proj = _Proj(layer, dtype)
+    proj = Proj(layer, dtype)
     assert bool(proj.fused) == (dtype != torch.float32)  # fused only where PEFT would cast
     x = torch.randn(4, 1, 32).to(dtype)
     tol = {"rtol": 0, "atol": 0} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
@@ -360,7 +372,8 @@ def test_4bit_weights_without_bitsandbytes_python_match_its_dequantisation(neste
     matmul op for decode) compute what bitsandbytes' reference dequantisation gives."""
     import bitsandbytes as bnb
 
-    from worker.fastpath import _Proj, float_absmax
+    from worker.fastpath.quant4 import float_absmax
+    from worker.fastpath.weights import Proj
 
     torch.manual_seed(0)
     layer = bnb.nn.Linear4bit(64, 48, bias=True, compute_dtype=torch.float32, compress_statistics=nested)
@@ -369,8 +382,8 @@ def test_4bit_weights_without_bitsandbytes_python_match_its_dequantisation(neste
     state = layer.weight.quant_state
     assert state.nested == nested
     reference = bnb.functional.dequantize_4bit(layer.weight.data, state).to(torch.float32)
-    proj = _Proj(layer, torch.float32)
-    proj._absmax = float_absmax(state)  # what the loop keeps for a GPU layer
+    proj = Proj(layer, torch.float32)
+    proj.absmax = float_absmax(state)  # what the loop keeps for a GPU layer
     x = torch.randn(5, 3, 64)
     want = torch.nn.functional.linear(x, reference, layer.bias)
     torch.testing.assert_close(proj.dense(), reference, rtol=0, atol=0)
@@ -382,17 +395,17 @@ def test_4bit_weights_without_bitsandbytes_python_match_its_dequantisation(neste
 def test_joined_projections_compute_what_each_does_alone(dtype: torch.dtype) -> None:
     """q/k/v (and gate/up) as one matmul over concatenated weights, LoRA stacked and block-diagonal: each
     member's output as when it runs alone, for one adapter and for a per-row mixed batch."""
-    from worker.fastpath import _Group, _Proj
+    from worker.fastpath.weights import Group, Proj
 
     layers = _lora_linears(dtype, (48, 16))
     x = torch.randn(4, 3, 32).to(dtype)
     mask_kev = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=dtype).view(4, 1, 1)
     cases = [[("kev", None)], [("laya", None)], [("kev", mask_kev), ("laya", 1 - mask_kev)], []]
     with torch.no_grad():
-        alone = _Group([_Proj(layer, dtype) for layer in layers], dtype, join=False)
+        alone = Group([Proj(layer, dtype) for layer in layers], dtype, join=False)
         want = [alone(x, masks)[0] for masks in cases]
         peft_before = [layer(x) for layer in layers]
-        joint = _Group([_Proj(layer, dtype) for layer in layers], dtype)
+        joint = Group([Proj(layer, dtype) for layer in layers], dtype)
         assert joint.joint is not None and bool(joint.lora) == (dtype != torch.float32)
         for masks, expected in zip(cases, want, strict=True):
             got, whole = joint(x, masks)
@@ -417,7 +430,8 @@ def test_joined_projections_compute_what_each_does_alone(dtype: torch.dtype) -> 
 def test_joined_4bit_weights_dequantise_as_each_alone() -> None:
     import bitsandbytes as bnb
 
-    from worker.fastpath import _Group, _Proj, float_absmax
+    from worker.fastpath.quant4 import float_absmax
+    from worker.fastpath.weights import Group, Proj
 
     torch.manual_seed(0)
     layers, refs = [], []
@@ -427,10 +441,10 @@ def test_joined_4bit_weights_dequantise_as_each_alone() -> None:
         layer = layer.to("cpu")
         refs.append(bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state).float())
         layers.append(layer)
-    projs = [_Proj(layer, torch.float32) for layer in layers]
+    projs = [Proj(layer, torch.float32) for layer in layers]
     for p in projs:
-        p._absmax = float_absmax(p.base.weight.quant_state)  # what the loop keeps for a GPU layer
-    group = _Group(projs, torch.float32)
+        p.absmax = float_absmax(p.base.weight.quant_state)  # what the loop keeps for a GPU layer
+    group = Group(projs, torch.float32)
     assert group.joint is not None
     (dense,) = group.dense()
     torch.testing.assert_close(dense, torch.cat(refs), rtol=0, atol=0)
@@ -456,7 +470,7 @@ def test_joined_projections_decode_token_for_token_as_separate_ones(tiny_models:
     engine = Engine(load_config(path), device="cpu", decode="static")
     (base,), (joint,) = engine.bases.values(), engine.decoders.values()
     separate = StaticDecoder(base.model, torch.device("cpu"), use_graphs=False, join_projections=False)
-    assert joint.layers[0].qkv.joint is not None and separate.layers[0].qkv.joint is None
+    assert joint.stack.layers[0].qkv.joint is not None and separate.stack.layers[0].qkv.joint is None
     for adapters in (["kev"], ["laya"], ["kev", "laya"]):
         ids = [base.tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(5)]
         rows = [DecodeRow(ids=r, max_new=6, adapter=adapters[i % len(adapters)]) for i, r in enumerate(ids)]
@@ -481,9 +495,9 @@ def test_warm_up_leaves_nothing_behind(pair: tuple[TokenRecorder, TokenRecorder]
 
 
 def test_a_fused_op_that_fails_to_compile_runs_eagerly_from_then_on(caplog: pytest.LogCaptureFixture) -> None:
-    from worker.fastpath import _Fused, _silu_mul
+    from worker.fastpath.ops import Fused, silu_mul
 
-    op = _Fused(_silu_mul, compiled=False)
+    op = Fused(silu_mul, compiled=False)
     gate, up = torch.randn(3, 4), torch.randn(3, 4)
     want = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(op(gate, up), want, rtol=0, atol=0)
@@ -494,7 +508,7 @@ def test_a_fused_op_that_fails_to_compile_runs_eagerly_from_then_on(caplog: pyte
     op.compiled = broken
     with caplog.at_level(logging.ERROR, logger="kevlaya.fastpath"):
         torch.testing.assert_close(op(gate, up), want, rtol=0, atol=0)
-    assert op.compiled is None and "torch.compile of _silu_mul failed" in caplog.text
+    assert op.compiled is None and "torch.compile of silu_mul failed" in caplog.text
 
     def out_of_memory(*args: Any) -> Any:
         raise torch.OutOfMemoryError("CUDA out of memory")
@@ -506,13 +520,13 @@ def test_a_fused_op_that_fails_to_compile_runs_eagerly_from_then_on(caplog: pyte
 
 def test_a_joined_group_skips_an_adapter_none_of_its_members_has() -> None:
     """An adapter that targets other modules only (Laya on the MLP, say) adds nothing to this group."""
-    from worker.fastpath import _Group, _Proj
+    from worker.fastpath.weights import Group, Proj
 
     layers = _lora_linears(torch.bfloat16, (48, 16))
-    projs = [_Proj(layer, torch.bfloat16) for layer in layers]
+    projs = [Proj(layer, torch.bfloat16) for layer in layers]
     for p in projs:
         p.lora.pop("laya"), p.fused.pop("laya")
-    group = _Group(projs, torch.bfloat16)
+    group = Group(projs, torch.bfloat16)
     assert set(group.lora) == {"kev"}
     x = torch.randn(4, 1, 32).to(torch.bfloat16)
     with torch.no_grad():

@@ -29,6 +29,10 @@ BASE = {"custom_id": "a", "model": "laya", "prompt": "Approve this loan?"}
         ({"custom_id": ""}, "custom_id", "non-empty string"),
         ({"escalate": 1.5}, "escalate", "threshold"),
         ({"temperature": -1}, "temperature", "from 0 to 5"),
+        ({"top_p": 0}, "top_p", "in (0, 1]"),
+        ({"top_p": 1.5}, "top_p", "in (0, 1]"),
+        ({"top_k": -1}, "top_k", "from 0"),
+        ({"top_k": 2.5}, "top_k", "from 0"),
         ({"v": 2}, "v", "unsupported schema version"),
         ({"parent": {"job_id": "x"}}, "parent", "unknown field"),
     ],
@@ -57,6 +61,14 @@ def test_round_trip_through_json() -> None:
     again = Job.from_json(job.to_json())
     assert again == job
     assert again.choices == ("approve", "reject")
+
+
+def test_sampling_fields_round_trip_and_defaults_stay_out_of_the_payload() -> None:
+    job = Job.from_dict({**BASE, "temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7})
+    assert Job.from_json(job.to_json()) == job
+    assert (job.top_p, job.top_k) == (0.9, 40)
+    plain = Job.from_dict(BASE)
+    assert "top_p" not in plain.to_dict() and "top_k" not in plain.to_dict()
 
 
 def test_input_fields_instead_of_prompt() -> None:

@@ -42,12 +42,12 @@ def test_system_message_is_the_system_turn_and_text_parts_join() -> None:
             "seed": 3,
             "metadata": {"k": "v"},
             "n": 1,
-            "top_p": 1,
+            "top_p": 0.9,
             "response_format": {"type": "text"},
         }
     )
     assert job.input == {"system": "Be strict.", "prompt": "Approve it?"} and job.prompt is None
-    assert (job.max_new_tokens, job.temperature, job.seed, job.meta) == (9, 0.5, 3, {"k": "v"})
+    assert (job.max_new_tokens, job.temperature, job.seed, job.meta, job.top_p) == (9, 0.5, 3, {"k": "v"}, 0.9)
 
 
 def test_model_names_map_through_the_model_map() -> None:
@@ -66,7 +66,7 @@ def test_model_names_map_through_the_model_map() -> None:
         ({"n": 2}, "'body.n' = 2"),
         ({"stop": ["\n"]}, "'body.stop'"),
         ({"logprobs": True}, "'body.logprobs'"),
-        ({"top_p": 0.5}, "'body.top_p'"),
+        ({"top_p": 1.5}, "top_p"),
         ({"response_format": {"type": "json_object"}}, "'body.response_format'"),
         ({"tools": []}, "'body.tools'"),
         (

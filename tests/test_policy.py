@@ -1,4 +1,5 @@
-"""The batching policy, table-driven: stay while there is work, switch when empty or starving."""
+"""The batching policy, table-driven: stay while there is work, switch when empty, starving, or the other
+queue holds a full take and this one does not."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ Q = QueueState
         ("kev", Q(1, 0), Q(1000, 999), "kev"),  # a deep queue alone does not force a switch
         ("kev", Q(0, 0), Q(0, 0), None),
         (None, Q(3, 100), Q(7, 100), "laya"),  # tie on age: the deeper queue
+        ("kev", Q(5, 10, take=64), Q(200, 50, take=256), "kev"),  # laya deep, but not a full take: stay
+        ("kev", Q(5, 10, take=64), Q(300, 50, take=128), "laya"),  # laya holds a full take, kev does not: switch
+        ("kev", Q(64, 10, take=64), Q(300, 50, take=128), "kev"),  # both full: no reason to switch
+        ("kev", Q(5, 10), Q(300, 50), "kev"),  # takes unknown: never counted as full
     ],
 )
 def test_choose_model(current, kev, laya, expected) -> None:

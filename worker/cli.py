@@ -25,7 +25,14 @@ def _setup_logging(level: str) -> None:
 @click.command("worker")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="models.toml")
 @click.option("--burst", is_flag=True, help="Exit when nothing is queued or recoverable.")
-@click.option("--memory-budget", default=None, help="GPU memory budget that sizes batches, e.g. 6GiB.")
+@click.option(
+    "--memory-budget",
+    default=None,
+    help="Memory for the whole worker process as the driver (nvidia-smi) reports it: CUDA context, kernels, "
+    "workspaces, graphs, KV cache, weights, activations, e.g. 6GiB. Batches are planned from what is left of it. "
+    "Default: the GPU's total memory minus 512 MiB. On a card shared with other processes (a desktop), give "
+    "what is free of it minus ~10%.",
+)
 @click.option(
     "--max-wait-ms",
     default=2000,

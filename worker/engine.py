@@ -16,6 +16,7 @@ import contextlib
 import gc
 import logging
 import resource
+import secrets
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -28,19 +29,23 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from shared.errors import INPUT_TOO_LONG, INTERNAL, NON_FINITE_LOGITS, OUT_OF_MEMORY, TIMEOUT, JobFailure
 from shared.job import Job
 from worker.calibration import calibrated_output
-from worker.config import EscalationRule, ModelsConfig, ModelSpec
+from worker.config import ModelsConfig, ModelSpec
 from worker.fastpath import (
     ROW_BUCKETS,
     DecodeRow,
+    ScoreRow,
     StaticDecoder,
     left_pad,
     length_bucket,
     row_bucket,
     unsupported_reason,
 )
+from worker.fastpath.decoder import sampler_slots
+from worker.fastpath.sampling import Sampling
 from worker.loading import LoadedBase, load_all
-from worker.memory import DTYPE_BYTES, BatchPlan, plan_batch
+from worker.memory import DTYPE_BYTES, MIB, RESERVE_BYTES, BatchPlan, plan_batch
 from worker.outputs import RowOutput
+from worker.planner import ALLOCATOR_SLACK_BYTES, default_budget, held_bytes, measure, set_allocator_cap
 from worker.templates import Pieces, prompt_pieces_many
 
 log = logging.getLogger("kevlaya.engine")
@@ -60,6 +65,15 @@ class _Item:
     ids: list[int]
     max_new: int
     adapter: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStats:
+    oom: int  # out-of-memory errors survived (0 when the plan is right)
+    captures: int  # decode graphs captured so far
+    budget_bytes: int | None  # the whole process's budget (CUDA: GPU total minus a margin unless given)
+    outside_allocator_bytes: int  # CUDA: context, kernels, workspaces (measured)
+    process_bytes: int | None  # CUDA: the process now, as the driver reports it
 
 
 class Engine:
@@ -88,16 +102,21 @@ class Engine:
         self.fault_hook = fault_hook
         self.compile_ops = compile_ops  # torch.compile'd elementwise kernels in the loop (bf16/fp16 on CUDA)
         self._deadline: float | None = None
-        if self.device.type == "cuda" and memory_budget_bytes:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, memory_budget_bytes / total), self.device)
+        self.oom_count = 0  # out-of-memory errors survived: each one is a planning bug (see `_guarded`)
+        self.outside_allocator_bytes = 0  # CUDA: context, kernels, workspaces (measured; see worker/planner.py)
+        self._held_bytes: int | None = None  # CUDA: what the allocator holds beyond the KV pools, at the last look
         if self.device.type == "cuda":
+            torch.zeros(1, device=self.device)  # the CUDA context exists before the memory outside torch is measured
+            if memory_budget_bytes is None:
+                self.memory_budget_bytes = default_budget(self.device)
+            self._cap_allocator("start")
             torch.cuda.reset_peak_memory_stats(self.device)  # the peak we report is this engine's, not a build's
         # `bases` lets a caller that loaded the models itself (kevlaya memory, measuring each stage) reuse them.
         self.bases: dict[str, LoadedBase] = bases if bases is not None else load_all(config, self.device)
         self.decoders: dict[str, StaticDecoder] = {}
         self.phase_s: Counter[str] = Counter()  # seconds spent encoding prompts and building outputs
         self._longest_prompt: dict[str, int] = {}  # per model, in its last batch: sizes the worker's take
+        self._choice_cache: dict[tuple[str, tuple[str, ...]], tuple[tuple[int, ...], ...]] = {}
         for name, base in self.bases.items():
             decoder = self._static_decoder(name, base, decode)
             if decoder is not None:
@@ -105,6 +124,22 @@ class Engine:
         self.resident_bytes = self._resident_bytes()  # after the loops: they keep float32 4-bit scales resident
         if self.device.type == "cuda":
             self.warm_up()
+            self._cap_allocator("warm-up")  # the warm-up loaded kernels (compiled ones, cuBLAS, flash) into the context
+
+    def _cap_allocator(self, when: str) -> None:
+        """The allocator's cap: the budget minus what the driver counts outside the allocator, as measured now."""
+        reading = measure(self.device)
+        self.outside_allocator_bytes = reading.outside_allocator_bytes
+        assert self.memory_budget_bytes is not None
+        cap = self.memory_budget_bytes - self.outside_allocator_bytes
+        set_allocator_cap(self.device, cap)
+        log.info(
+            "memory (%s): budget %d MiB for the whole process; %d MiB outside torch's allocator (context, kernels, "
+            "workspaces; %s); allocator capped at %d MiB",
+            when, self.memory_budget_bytes // MIB, self.outside_allocator_bytes // MIB,
+            "this process per NVML" if reading.per_process else "the device's used memory: NVML unavailable",
+            cap // MIB,
+        )  # fmt: skip
 
     def warm_up(self) -> None:
         """One tiny batch per model (and per mixed pair) through each static loop, then its graphs and cache
@@ -117,7 +152,7 @@ class Engine:
             models = [m for m, spec in self.config.models.items() if spec.base == base_name]
             adapters = [base.adapters.get(m) for m in models]
             groups = [[a] for a in dict.fromkeys(adapters)] + ([adapters] if len(set(adapters)) > 1 else [])
-            rows = row_bucket(max(self.max_rows(m) for m in models))
+            rows = row_bucket(max(self.capacity(m) for m in models))
             token, stop_ids = base.tokenizer.eos_token_id or 0, self._stop_ids(base)
             for names in groups:
                 # The largest take (prefill in full chunks, then two decode steps), and one row: the kernels real
@@ -164,25 +199,22 @@ class Engine:
     def base_for(self, model: str) -> LoadedBase:
         return self.bases[self.config.models[model].base]
 
-    def model_version(self, model: str) -> dict[str, str]:
-        base = self.base_for(model)
-        version = {"base": base.fingerprint}
-        if model in base.adapter_fingerprints:
-            version["adapter"] = base.adapter_fingerprints[model]
-        return version
-
-    def plan(self, model: str, *, input_tokens: int | None = None, new_tokens: int | None = None) -> BatchPlan:
-        """How many rows of this model fit the memory budget (default: its full input and output limits)."""
+    def plan(
+        self, model: str, *, input_tokens: int | None = None, new_tokens: int | None = None, sampled_rows: int = 0
+    ) -> BatchPlan:
+        """How many rows of this model fit the memory budget (default: its full input and output limits), with
+        `sampled_rows` of them sampled (their draws need memory of their own)."""
         spec = self.config.models[model]
         base = self.base_for(model)
-        budget = self.memory_budget_bytes or (1 << 62)
+        budget = (self.memory_budget_bytes or (1 << 62)) - self.outside_allocator_bytes
         inputs = input_tokens or spec.max_input_tokens
         new = spec.max_new_tokens if new_tokens is None else new_tokens
         decoder = self.decoders.get(spec.base) if new > 0 else None
         plan = plan_batch(
             base.shape,
             budget_bytes=budget,
-            resident_bytes=self.resident_bytes,
+            resident_bytes=self._held_bytes if self._held_bytes is not None else self.resident_bytes,
+            reserve_bytes=ALLOCATOR_SLACK_BYTES if self.device.type == "cuda" else RESERVE_BYTES,
             input_tokens=inputs,
             new_tokens=new,
             dtype_bytes=DTYPE_BYTES[base.spec.compute_dtype],
@@ -191,20 +223,35 @@ class Engine:
             prefill_chunk_tokens=decoder.prefill_tokens if decoder else None,
             cache_tokens=length_bucket(inputs + new) if decoder else None,
             flash_prefill=decoder is not None and decoder.own_prefill,
+            sampler_slots=sampler_slots(sampled_rows) if decoder else 0,
         )
         if decoder is None or plan.max_rows in ROW_BUCKETS:
             return plan
         # Rows are padded up to a bucket: plan the largest bucket that fits, not a size padded past the plan.
         return replace(plan, max_rows=max((b for b in ROW_BUCKETS if b <= plan.max_rows), default=plan.max_rows))
 
-    def max_rows(self, model: str) -> int:
+    def capacity(self, model: str) -> int:
         """How many jobs the worker takes per batch: the plan for typical prompts, or for the longest prompt
         of this model's last batch when that was longer. `run` packs the rows by their real lengths into
         sub-batches that fit, so a take of long prompts is still safe; sizing the take by what was seen keeps
         it from being split (each sub-batch decodes as many steps as its longest answer)."""
         seen = max(TYPICAL_INPUT_TOKENS, self._longest_prompt.get(model, 0))
         typical = min(self.config.models[model].max_input_tokens, seen)
+        self.refresh_memory()
         return max(1, self.plan(model, input_tokens=typical).max_rows)
+
+    def refresh_memory(self) -> None:
+        """Look again at what the allocator holds (CUDA), so the next plans count what is resident now: weights,
+        captured graphs' pool, anything cached -- but not the KV pools, which the next batch reuses or replaces."""
+        if self.device.type != "cuda":
+            return
+        pools = sum(d.pool.nbytes for d in self.decoders.values())
+        self._held_bytes = held_bytes(self.device) - pools
+        # Kernels for new shapes (flash attention, cuBLAS) load into the context as batches come: the measured
+        # H200 process grew past the budget by 10 MiB with the cap set only at start and after the warm-up.
+        outside = measure(self.device).outside_allocator_bytes
+        if outside > self.outside_allocator_bytes:
+            self._cap_allocator("grown")
 
     def expect(self, job: Job) -> None:
         """A job about to be queued (the worker's longest new follow-up): its prompt length sizes that model's
@@ -217,12 +264,16 @@ class Engine:
             return  # it fails when it runs; nothing to plan for
         self._longest_prompt[job.model] = max(self._longest_prompt.get(job.model, 0), len(item.ids))
 
-    def escalation_rule(self, model: str) -> EscalationRule | None:
-        return self.config.models[model].escalation
-
-    def shares_base(self, a: str, b: str) -> bool:
-        """Whether two models can share one (mixed) batch: the same resident base."""
-        return self.config.models[a].base == self.config.models[b].base
+    def stats(self) -> EngineStats:
+        """Counters for logs, status and benchmarks."""
+        process = measure(self.device).driver_bytes if self.device.type == "cuda" else None
+        return EngineStats(
+            oom=self.oom_count,
+            captures=sum(d.captures for d in self.decoders.values()),
+            budget_bytes=self.memory_budget_bytes,
+            outside_allocator_bytes=self.outside_allocator_bytes,
+            process_bytes=process,
+        )
 
     def peak_memory_bytes(self) -> int:
         """Peak GPU memory allocated (CUDA), else the process's peak resident set size."""
@@ -237,6 +288,7 @@ class Engine:
         `time_limit_s` bounds the whole call: generation stops at the deadline and the rows it cut short,
         like the sub-batches not started by then, fail with `timeout`; finished rows keep their answers."""
         self._deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+        self.refresh_memory()
         outputs: list[RowOutput | None] = [None] * len(jobs)
         groups: dict[tuple[Any, ...], list[_Item]] = defaultdict(list)
         longest: dict[str, int] = {}
@@ -246,8 +298,7 @@ class Engine:
                 outputs[index] = RowOutput.failed(item.type, str(item))
                 continue
             spec = self.config.models[job.model]
-            mode = ("choices",) if job.choices else ("generate", job.temperature, job.seed)
-            groups[(spec.base, *mode)].append(item)
+            groups[(spec.base, *self._mode(job))].append(item)
             longest[job.model] = max(longest.get(job.model, 0), len(item.ids))
         self._longest_prompt.update(longest)
         self.phase_s["encode"] += time.perf_counter() - started
@@ -268,6 +319,15 @@ class Engine:
         """The one place a configured calibration replaces the raw confidence (kept as raw_confidence)."""
         return calibrated_output(out, self.config.models[job.model].calibration, scored=bool(job.choices))
 
+    def _mode(self, job: Job) -> tuple[Any, ...]:
+        """Which jobs can share a batch: choices apart from generation; on the static loop greedy and sampled rows
+        together (each row samples with its own parameters), on HF generate one sampling setting per batch."""
+        if job.choices:
+            return ("choices",)
+        if self.config.models[job.model].base in self.decoders:
+            return ("generate",)
+        return ("generate", *_sampling_params(job))
+
     def _past_deadline(self) -> bool:
         return self._deadline is not None and time.monotonic() >= self._deadline
 
@@ -275,22 +335,32 @@ class Engine:
         """Sub-batches that fit the memory plan at their real lengths. Sorted by length first, so rows of
         similar length share a batch and little compute is spent on padding."""
         model = items[0].job.model
+        on_loop = scoring and self.config.models[model].base in self.decoders
         ordered = sorted(items, key=lambda it: len(it.ids))
         chunks: list[list[_Item]] = []
         current: list[_Item] = []
+        span = new = sampled = 0  # the current chunk's most choice tokens, most new tokens, sampled rows
         for item in ordered:
             longest = len(item.ids)  # ascending order: the newcomer is the longest in the chunk
-            if scoring:
+            item_span = self._choice_tokens(item.job) if on_loop else 0
+            if on_loop:
+                # The loop scores a row's choices after its prompt, in the KV pool: planned as a row of the
+                # prompt plus all its choices' tokens (the prompt once, not once per choice).
+                rows = self.plan(model, input_tokens=longest, new_tokens=max(span, item_span)).max_rows
+            elif scoring:
                 per_item = max(1, len(item.job.choices or ()))
                 rows = self.plan(model, input_tokens=longest + 8, new_tokens=0).max_rows // per_item
             else:
+                draws = sampled + (item.job.temperature > 0)
                 rows = self.plan(
-                    model, input_tokens=longest, new_tokens=max(it.max_new for it in [*current, item])
+                    model, input_tokens=longest, new_tokens=max(new, item.max_new), sampled_rows=draws
                 ).max_rows
             if current and len(current) + 1 > max(1, rows):
                 chunks.append(current)
-                current = []
+                current, span, new, sampled = [], 0, 0, 0
             current.append(item)
+            span, new = max(span, item_span), max(new, item.max_new)
+            sampled += not scoring and item.job.temperature > 0
         if current:
             chunks.append(current)
         return chunks
@@ -304,8 +374,14 @@ class Engine:
         inside it, the traceback would keep the failed attempt's activations alive."""
         try:
             return fn(items)
-        except torch.OutOfMemoryError:
-            pass
+        except torch.OutOfMemoryError as exc:
+            what = str(exc).split("\n")[0][:300]  # the text only: the exception would keep the attempt alive
+        self.oom_count += 1
+        log.error(
+            "OUT OF MEMORY at %d rows (out-of-memory error #%d of this worker): the memory plan let this batch "
+            "past what the budget holds -- a planning bug, please report it; surviving it by %s. %s",
+            len(items), self.oom_count, "releasing the decode graphs and cache" if not retried else "splitting", what,
+        )  # fmt: skip
         freed = self._release_memory()
         if freed and not retried:
             log.warning("out of memory at %d rows; retrying once with the decode graphs and cache released", len(items))
@@ -375,7 +451,7 @@ class Engine:
     def _generate(self, items: list[_Item]) -> list[RowOutput]:
         spec = self.config.models[items[0].job.model]
         decoder = self.decoders.get(spec.base)
-        if decoder is not None and items[0].job.temperature == 0:
+        if decoder is not None:
             try:
                 return self._generate_static(decoder, items)
             except torch.OutOfMemoryError:
@@ -385,7 +461,16 @@ class Engine:
                 log.exception("decode: the static loop failed for base %s; HF generate from now on", spec.base)
                 decoder.release()
                 del self.decoders[spec.base]
-        return self._generate_eager(items)
+        # HF generate samples the whole batch one way: one call per sampling setting (a batch grouped for the
+        # static loop, which samples per row, may mix them).
+        by_params: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+        for i, item in enumerate(items):
+            by_params[_sampling_params(item.job)].append(i)
+        outputs: list[RowOutput | None] = [None] * len(items)
+        for rows in by_params.values():
+            for i, out in zip(rows, self._generate_eager([items[i] for i in rows]), strict=True):
+                outputs[i] = out
+        return [o for o in outputs if o is not None]
 
     def _generate_static(self, decoder: StaticDecoder, items: list[_Item]) -> list[RowOutput]:
         """Greedy rows through the static loop: the same outputs as `_generate_eager`, built the same way."""
@@ -393,7 +478,7 @@ class Engine:
         stop_ids = self._stop_ids(base)
         self._fault("generate", len(items))
         result = decoder.decode(
-            [DecodeRow(ids=it.ids, max_new=it.max_new, adapter=it.adapter) for it in items],
+            [DecodeRow(ids=it.ids, max_new=it.max_new, adapter=it.adapter, sampling=_sampling(it.job)) for it in items],
             stop_ids=stop_ids,
             pad_id=base.tokenizer.pad_token_id,
             select=lambda names: self._adapters(base, names),
@@ -424,8 +509,8 @@ class Engine:
             max_new_tokens=int(limits.max()),
             do_sample=job.temperature > 0,
             temperature=job.temperature if job.temperature > 0 else None,
-            top_p=None,
-            top_k=None,
+            top_p=job.top_p if job.temperature > 0 and job.top_p < 1.0 else None,
+            top_k=job.top_k if job.temperature > 0 and job.top_k > 0 else None,
             eos_token_id=stop_ids,
             pad_token_id=tok.pad_token_id,
         )
@@ -485,8 +570,59 @@ class Engine:
         )
 
     # ---- choice scoring ---------------------------------------------------------------------
-    @torch.inference_mode()
+    def _choice_ids(self, job: Job) -> tuple[tuple[int, ...], ...]:
+        """Each choice's tokens and the end-of-answer token (a choice is scored as a whole answer). Cached per
+        base and label set: a take of 600 jobs usually repeats one set of labels."""
+        key = (self.config.models[job.model].base, job.choices or ())
+        cached = self._choice_cache.get(key)
+        if cached is None:
+            base = self.base_for(job.model)
+            end_id = self._stop_ids(base)[0]
+            tok = base.tokenizer
+            cached = tuple(
+                (*tok(choice, add_special_tokens=False, split_special_tokens=True).input_ids, end_id)
+                for choice in job.choices or ()
+            )
+            if len(self._choice_cache) >= 4096:
+                self._choice_cache.clear()  # bounded: label sets chosen per job must not grow it forever
+            self._choice_cache[key] = cached
+        return cached
+
+    def _choice_tokens(self, job: Job) -> int:
+        return sum(len(c) for c in self._choice_ids(job))
+
     def _score(self, items: list[_Item]) -> list[RowOutput]:
+        """Each choice's log-likelihood (its tokens + end-of-answer) after the prompt: on the static loop (the
+        prompt encoded once, each choice against its cached K/V), else one padded HF forward pass."""
+        spec = self.config.models[items[0].job.model]
+        decoder = self.decoders.get(spec.base)
+        if decoder is not None:
+            try:
+                return self._score_static(decoder, items)
+            except torch.OutOfMemoryError:
+                raise  # _guarded splits the batch
+            except RuntimeError:
+                log.exception("scoring: the static loop failed for base %s; HF forward passes from now on", spec.base)
+                decoder.release()
+                del self.decoders[spec.base]
+        return self._score_eager(items)
+
+    def _score_static(self, decoder: StaticDecoder, items: list[_Item]) -> list[RowOutput]:
+        base = self.base_for(items[0].job.model)
+        rows = [ScoreRow(ids=it.ids, choices=self._choice_ids(it.job), adapter=it.adapter) for it in items]
+        self._fault("score", len(items))
+        scored = decoder.score(
+            rows, pad_id=base.tokenizer.pad_token_id, select=lambda names: self._adapters(base, names)
+        )
+        outputs = []
+        for item, loglik, bad in zip(items, scored.loglik, scored.bad, strict=True):
+            scores = torch.tensor(loglik, dtype=torch.float64)
+            owners = [0] * len(loglik)
+            outputs.append(self._choice_output(item, scores, owners, 0, not bad))
+        return outputs
+
+    @torch.inference_mode()
+    def _score_eager(self, items: list[_Item]) -> list[RowOutput]:
         """Each choice's log-likelihood (its tokens + end-of-answer) after the prompt, in one forward pass."""
         base = self.base_for(items[0].job.model)
         tok = base.tokenizer
@@ -623,6 +759,22 @@ class _RowLimit(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
         return (input_ids.shape[1] - self.prompt_len) >= self.limits
+
+
+def _sampling_params(job: Job) -> tuple[Any, ...]:
+    """What HF generate needs the same for every row of one call."""
+    if job.temperature == 0:
+        return (0.0,)
+    return (job.temperature, job.top_p, job.top_k, job.seed)
+
+
+def _sampling(job: Job) -> Sampling | None:
+    """A row's sampling on the static loop (None: greedy). Without a seed, a fresh random one: the row is then
+    random, as on HF generate, but still independent of its batch-mates."""
+    if job.temperature == 0:
+        return None
+    seed = job.seed if job.seed is not None else secrets.randbits(63)
+    return Sampling(temperature=job.temperature, seed=seed, top_p=job.top_p, top_k=job.top_k)
 
 
 def decision_span(

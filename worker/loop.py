@@ -57,7 +57,7 @@ class EngineLike(Protocol):
     the longest job about to be queued (so the next take of its model is sized for it)."""
 
     def run(self, jobs: Sequence[Job], *, time_limit_s: float | None = None) -> list[Any]: ...
-    def max_rows(self, model: str) -> int: ...
+    def capacity(self, model: str) -> int: ...
     def expect(self, job: Job) -> None: ...
 
 
@@ -182,6 +182,7 @@ class BatchWorker:
             m: QueueState(
                 f.depth + f.suspect_groups,
                 (now - f.oldest_enqueued_at) * 1000 if (f.depth and f.oldest_enqueued_at) else 0.0,
+                take=self.engine.capacity(m) if f.depth else 0,
             )
             for m, f in facts.items()
         }
@@ -217,7 +218,7 @@ class BatchWorker:
         self._suspect_turn = group is None
         if group is not None:
             return Take([Row(model, r) for r in group.jobs], dead=group.dead)
-        limit = self.engine.max_rows(model)
+        limit = self.engine.capacity(model)
         rows = [Row(model, r) for r in self.bridge.load(self.bridge.take(model, limit, ttl_s=ttl))]
         for other in self._tail_models(model, len(rows), limit, states):
             room = limit - len(rows)
@@ -297,6 +298,10 @@ class BatchWorker:
         )
         peak = getattr(self.engine, "peak_memory_bytes", lambda: 0)()
         self.stats.record(facts, peak_memory_bytes=peak)
+        engine_stats = getattr(self.engine, "stats", None)
+        if engine_stats is not None:
+            counted = engine_stats()
+            self.stats.out_of_memory, self.stats.graph_captures = counted.oom, counted.captures
         if self.stats.batches % PUBLISH_EVERY_BATCHES == 0:
             self.stats.publish(self.redis, self.keys, self.name)
 

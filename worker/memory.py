@@ -19,7 +19,8 @@ MIB = 1024**2
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # NF4/FP4 weights: 4 bits + one absmax per 64 weights (fp32, or ~8 bits with double quantisation).
 QUANT_BYTES_PER_PARAM = {True: 0.5 + 1.0 / 64, False: 0.5 + 4.0 / 64}
-# Kept free for the CUDA context, allocator slack and fragmentation.
+# Kept free where nothing is measured (CPU, estimates) for the context, allocator slack and fragmentation; on
+# CUDA the engine measures what lies outside the allocator and keeps only the allocator's slack (worker/planner.py).
 RESERVE_BYTES = 512 * MIB
 # Measured on an H200 capped at 6 GiB (Qwen2.5-1.5B shape, NF4 + LoRA, 192-token prompts): the real peak per
 # row ran up to ~1.3x this model's estimate (LoRA temporaries, float32 upcasts); plan with that margin.
@@ -94,6 +95,16 @@ class ModelShape:
         heads x T x T in the compute dtype plus a float32 softmax. Quadratic: long prompts dominate."""
         return self.heads * input_tokens * input_tokens * 6
 
+    def layer_weight_bytes(self, dtype_bytes: int = 2) -> int:
+        """One decoder layer's linear weights in the compute dtype: what prefill dequantises per layer."""
+        return self.linear_params // self.layers * dtype_bytes
+
+    def sampling_bytes_per_slot(self) -> int:
+        """What one sampler slot's draw holds at once (worker/fastpath/sampling.py): its gathered logits, the
+        scaled ones, their log-softmax, probabilities and cumulative sums, and for top-p/top-k the sorted
+        values with their int64 order: about 12 fp32-sized vectors over the vocabulary."""
+        return 12 * self.vocab * 4
+
     def decode_bytes_per_row(self) -> int:
         """Per-row decode overhead: fp32 logits and their log-softmax, over the vocabulary."""
         return 3 * self.vocab * 4
@@ -119,14 +130,19 @@ def plan_batch(
     prefill_chunk_tokens: int | None = None,
     cache_tokens: int | None = None,
     flash_prefill: bool = False,
+    reserve_bytes: int = RESERVE_BYTES,
+    sampler_slots: int = 0,
 ) -> BatchPlan:
     """The largest number of rows of `input_tokens + new_tokens` that fits in what the budget leaves.
 
     With `prefill_chunk_tokens` (the static decode loop), prompts are prefilled in chunks of that many tokens:
     prefill activations are one fixed chunk's, not a per-row cost, and each row keeps `cache_tokens` of KV
     (allocated exactly, so planned without the safety margin the estimates get). `flash_prefill`: the loop's
-    own prefill, whose unmasked causal attention never builds a score matrix (flash / memory-efficient)."""
-    free = budget_bytes - resident_bytes - RESERVE_BYTES
+    own prefill, whose unmasked causal attention never builds a score matrix (flash / memory-efficient).
+    `sampler_slots`: the batch's sampled rows, bucketed, each drawing over the vocabulary in every step."""
+    free = budget_bytes - resident_bytes - reserve_bytes
+    # Sampled rows draw in a fixed number of slots (not per row of the batch): a fixed cost, with the margin.
+    free -= int(sampler_slots * shape.sampling_bytes_per_slot() * SAFETY_FACTOR)
     kv = shape.kv_bytes_per_token(dtype_bytes)
     if prefill_chunk_tokens is None:
         per_row = (input_tokens + new_tokens) * kv + input_tokens * shape.prefill_bytes_per_token(dtype_bytes)
@@ -135,6 +151,9 @@ def plan_batch(
     else:
         chunk_rows = max(1, prefill_chunk_tokens // max(1, input_tokens))
         chunk = prefill_chunk_tokens * (kv + shape.prefill_bytes_per_token(dtype_bytes))
+        # Prefill dequantises a layer's weights (and, for a single-adapter chunk, merges LoRA into a copy): two
+        # layers' worth at a time. Unplanned, it OOMed long-prompt batches on the H200 under a 6 GiB budget.
+        chunk += 2 * shape.layer_weight_bytes(dtype_bytes)
         if not flash_prefill:
             chunk += chunk_rows * shape.attention_bytes_per_row(input_tokens)
         free -= int(chunk * SAFETY_FACTOR)

@@ -56,11 +56,15 @@ class WorkerCollector:
         yield decisions
         yield _row_histogram(s.batch_sizes)
         engine = w.engine
-        phases = getattr(engine, "phase_seconds", dict)()
-        yield _counter("kevlaya_graph_captures", "CUDA graphs captured.", phases.get("captures", 0))
-        yield _counter("kevlaya_out_of_memory", "Out-of-memory errors survived.", getattr(engine, "oom_count", 0))
-        memory = GaugeMetricFamily("kevlaya_gpu_memory_bytes", "Peak memory.", labels=["kind"])
+        counted = getattr(engine, "stats", lambda: None)()
+        yield _counter("kevlaya_graph_captures", "CUDA graphs captured.", counted.captures if counted else 0)
+        yield _counter("kevlaya_out_of_memory", "Out-of-memory errors survived.", counted.oom if counted else 0)
+        memory = GaugeMetricFamily("kevlaya_gpu_memory_bytes", "GPU memory.", labels=["kind"])
         memory.add_metric(["allocator_peak"], getattr(engine, "peak_memory_bytes", lambda: 0)())
+        if counted is not None and counted.process_bytes is not None:
+            memory.add_metric(["process"], counted.process_bytes)
+        if counted is not None and counted.budget_bytes is not None:
+            memory.add_metric(["budget"], counted.budget_bytes)
         yield memory
         yield _gauge("kevlaya_model_load_seconds", "Seconds to load the models.", getattr(engine, "load_s", 0.0))
         yield _gauge("kevlaya_warmup_seconds", "Seconds of warm-up at start.", getattr(engine, "warmup_s", 0.0))

@@ -55,6 +55,8 @@ class WorkerStats:
     first_job_at: float | None = None
     last_job_at: float | None = None
     peak_memory_bytes: int = 0
+    out_of_memory: int = 0  # the engine's count: an out-of-memory error is a planning bug, survived and counted
+    graph_captures: int = 0
     batch_sizes: Counter[int] = field(default_factory=Counter)
 
     def record(self, facts: BatchFacts, *, peak_memory_bytes: int) -> None:
@@ -100,5 +102,6 @@ class WorkerStats:
     def summary(self) -> str:
         return (
             f"{self.jobs} jobs in {self.batches} batches, {self.switches} switches, {self.escalations} "
-            f"escalations, {self.crashes_survived} crashes recovered, {self.quarantined} quarantined"
+            f"escalations, {self.crashes_survived} crashes recovered, {self.quarantined} quarantined, "
+            f"{self.out_of_memory} out of memory"
         )

@@ -1,0 +1,296 @@
+"""Every job kind the contract allows, through the real CLI path, against one worker with the user's defaults.
+
+    python -m bench mixed --device cuda --memory-budget 6GiB      # Qwen2.5-1.5B shape, NF4, random weights
+    python -m bench mixed --device cpu --shape tiny --scale 0.05  # a smoke run on CPU
+
+A separate `kevlaya worker` process (its default settings; only `--config`, `--device`, `--memory-budget`,
+`--redis-url` given), then per workload: `kevlaya submit FILE`, `kevlaya status BATCH --wait`,
+`kevlaya results BATCH -o FILE`, each a subprocess as a user would run it. Workloads:
+
+- greedy: 600 Laya jobs, prompts of 60-300 words, `truncate: true` (the reference);
+- choices: the same prompts with 3 labels to score;
+- sampled: 570 greedy + 30 sampled (`temperature` 0.8, a `seed` each);
+- kev-long: 200 Kev jobs cut to the 1,024-token input limit (`truncate`), 128 new tokens;
+- stream: 4,000 Laya jobs of 100-220 words, 25% escalating to Kev, submitted in 8 waves 0.5 s apart;
+- openai: 300 OpenAI Batch lines (chat bodies);
+- mixed: 3,000 jobs of all the kinds above, shuffled.
+
+Per workload: decisions/s (items / wall time from the first submit to `status --wait` returning), prompt and
+generated tokens/s (from the results' usage), the out-of-memory errors and graph captures the worker logged
+meanwhile, the peak GPU memory NVML reported meanwhile (this bench never opens a CUDA context itself: the
+models are built in a subprocess; without per-process NVML figures the device's used memory is reported,
+labelled so), and, with `--nightly-tokens-per-s`, the ratio to nightly-2000's (prompt + generated) tokens/s.
+One row per workload in bench/RESULTS.md, its first cell `mixed/<workload>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import append_results, save_json, write_config
+from worker.embedded_redis import EmbeddedRedis
+
+WORDS = tuple(
+    "loan income debt ratio history clean late payments amount requested category personal car home business "
+    "employer years stable savings collateral guarantor approve reject review risk score policy limit".split()
+)
+CHOICES = ["approve", "reject", "review"]
+KEVLAYA = [sys.executable, "-c", "import sys; sys.argv[0] = 'kevlaya'; from producer.cli import main; main()"]
+MIB = 1024**2
+
+
+def _prompt(rng: random.Random, i: int, low: int, high: int) -> str:
+    return f"Case {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
+
+
+def workloads(scale: float, seed: int = 7) -> dict[str, list[dict[str, Any]]]:
+    rng = random.Random(seed)
+
+    def n(count: int) -> int:
+        return max(4, int(count * scale))
+
+    greedy = [
+        {"custom_id": f"g{i}", "model": "laya", "prompt": _prompt(rng, i, 60, 300), "truncate": True, "escalate": False}
+        for i in range(n(600))
+    ]
+    choices = [{**job, "custom_id": f"c{i}", "choices": CHOICES} for i, job in enumerate(greedy)]
+    sampled = [
+        {**job, "custom_id": f"s{i}", **({"temperature": 0.8, "seed": i} if i % 20 == 7 else {})}
+        for i, job in enumerate(greedy)
+    ]
+    kev_long = [
+        {"custom_id": f"k{i}", "model": "kev", "prompt": _prompt(rng, i, 900, 1100), "truncate": True}
+        for i in range(n(200))
+    ]
+    stream = [
+        {
+            "custom_id": f"t{i}",
+            "model": "laya",
+            "prompt": _prompt(rng, i, 100, 220),
+            "truncate": True,
+            "escalate": 1.0 if rng.random() < 0.25 else False,  # 1.0: always escalates (a confidence is < 1)
+        }
+        for i in range(n(4000))
+    ]
+    openai = [
+        {
+            "custom_id": f"o{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "laya",
+                "messages": [{"role": "user", "content": _prompt(rng, i, 60, 200)}],
+                "max_tokens": 16,
+            },
+        }
+        for i in range(n(300))
+    ]
+    pool = [*greedy, *choices, *sampled, *kev_long, *stream]
+    mixed = [{**job, "custom_id": f"m{i}"} for i, job in enumerate(rng.sample(pool, min(len(pool), n(3000))))]
+    return {
+        "greedy": greedy,
+        "choices": choices,
+        "sampled": sampled,
+        "kev-long": kev_long,
+        "stream": stream,
+        "openai": openai,
+        "mixed": mixed,
+    }
+
+
+class NvmlPeak:
+    """The peak GPU memory NVML reports while running: the worker process's (by PID) when NVML names it, else
+    the device's used memory (labelled so). Polled every 50 ms from a thread; no CUDA context here."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak = 0
+        self.per_process = False
+        self.available = True
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:
+            self.available = False
+
+    def read(self) -> int:
+        nv = self._nvml
+        for proc in nv.nvmlDeviceGetComputeRunningProcesses(self._handle):
+            if proc.pid == self.pid and proc.usedGpuMemory:
+                self.per_process = True
+                return int(proc.usedGpuMemory)
+        return int(nv.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+    def __enter__(self) -> NvmlPeak:
+        self.peak = 0
+        if self.available:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.read())
+            time.sleep(0.05)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def kevlaya(*args: str, redis_url: str, stdin: bytes | None = None) -> str:
+    out = subprocess.run(
+        [*KEVLAYA, "--redis-url", redis_url, *args], input=stdin, capture_output=True, check=False, timeout=3600
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"kevlaya {' '.join(args)} failed: {out.stderr.decode()[-2000:]}")
+    return out.stdout.decode()
+
+
+def log_counts(path: Path) -> tuple[int, int]:
+    """(out-of-memory errors, graph captures) the worker has logged so far."""
+    text = path.read_text(errors="replace")
+    return len(re.findall(r"OUT OF MEMORY at", text)), len(re.findall(r"decode: captured a graph", text))
+
+
+def run_workload(
+    name: str, jobs: list[dict[str, Any]], *, redis_url: str, out_dir: Path, log_path: Path, peak: NvmlPeak
+) -> dict[str, Any]:
+    oom0, cap0 = log_counts(log_path)
+    waves = 8 if name == "stream" else 1
+    size = -(-len(jobs) // waves)
+    with peak:
+        started = time.perf_counter()
+        batch = kevlaya("submit", "-", redis_url=redis_url, stdin=_jsonl(jobs[:size])).strip()
+        for w in range(1, waves):
+            time.sleep(0.5)
+            part = _jsonl(jobs[w * size : (w + 1) * size])
+            kevlaya("submit", "-", "--batch-id", batch, redis_url=redis_url, stdin=part)
+        kevlaya("status", batch, "--wait", redis_url=redis_url)
+        wall = time.perf_counter() - started
+    results_path = out_dir / f"mixed-{name}-results.jsonl"
+    kevlaya("results", batch, "-o", str(results_path), redis_url=redis_url)
+    rows = [json.loads(line) for line in results_path.read_text().splitlines() if line.strip()]
+    results_path.unlink()  # only the figures come back from the GPU machine
+    prompt = generated = errors = 0
+    for row in rows:
+        for step in [row, *(row.get("chain") or [])]:
+            usage = step.get("usage") or {}
+            prompt += usage.get("prompt_tokens", 0)
+            generated += usage.get("completion_tokens", 0)
+        errors += "error" in row
+    oom1, cap1 = log_counts(log_path)
+    report = {
+        "items": len(jobs),
+        "wall_s": round(wall, 2),
+        "decisions_per_s": round(len(jobs) / wall, 1),
+        "prompt_tokens_per_s": round(prompt / wall),
+        "generated_tokens_per_s": round(generated / wall),
+        "tokens_per_s": round((prompt + generated) / wall),
+        "errors": errors,
+        "oom": oom1 - oom0,
+        "captures": cap1 - cap0,
+        "peak_mib": round(peak.peak / MIB) if peak.available else None,
+        "peak_is_per_process": peak.per_process,
+    }
+    print(f"mixed/{name}:", report, flush=True)
+    return report
+
+
+def _jsonl(jobs: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(j) + "\n" for j in jobs).encode()
+
+
+def build_models(shape: str, device: str) -> Path:
+    """The model set, built in a subprocess so this process never holds a CUDA context (NVML would count it)."""
+    code = "import sys; from bench.common import model_dir; print(model_dir(sys.argv[1], device=sys.argv[2]))"
+    out = subprocess.run([sys.executable, "-c", code, shape, device], capture_output=True, check=True, text=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="bench mixed", description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--memory-budget", default=None, help="passed to the worker (default: the worker's own)")
+    parser.add_argument("--shape", default=None, help="model shape (default: qwen2.5-1.5b on cuda, tiny on cpu)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload's size")
+    parser.add_argument("--only", default="", help="comma-separated workloads (default: all)")
+    parser.add_argument("--nightly-tokens-per-s", type=float, default=None, help="for the ratio column")
+    parser.add_argument("--out", default="bench/out")
+    args = parser.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shape = args.shape or ("qwen2.5-1.5b" if args.device.startswith("cuda") else "tiny")
+    root = build_models(shape, args.device)
+    config = write_config(root, device=args.device, name="mixed.toml")
+    chosen = workloads(args.scale)
+    if args.only:
+        chosen = {k: v for k, v in chosen.items() if k in set(args.only.split(","))}
+    report: dict[str, Any] = {"shape": shape, "device": args.device, "budget": args.memory_budget, "workloads": {}}
+    log_path = out_dir / "mixed-worker.log"
+    with EmbeddedRedis() as server:
+        cmd = [*KEVLAYA, "--redis-url", server.url, "worker", "--config", str(config), "--device", args.device]
+        if args.memory_budget:
+            cmd += ["--memory-budget", args.memory_budget]
+        with log_path.open("wb") as log_file:
+            worker = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+            try:
+                _wait_started(log_path, worker)
+                peak = NvmlPeak(worker.pid)
+                for name, jobs in chosen.items():
+                    report["workloads"][name] = run_workload(
+                        name, jobs, redis_url=server.url, out_dir=out_dir, log_path=log_path, peak=peak
+                    )
+                    save_json(out_dir, "mixed.json", report)
+            finally:
+                worker.terminate()
+                worker.wait(timeout=120)
+    for name, r in report["workloads"].items():
+        append_results(_row(name, r, args, sys.argv[1:] if argv is None else argv), out_dir)
+    return report
+
+
+def _wait_started(log_path: Path, worker: subprocess.Popen[bytes]) -> None:
+    while "started (burst=" not in log_path.read_text(errors="replace"):
+        if worker.poll() is not None:
+            raise RuntimeError(f"the worker exited: {log_path.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def _row(name: str, r: dict[str, Any], args: argparse.Namespace, argv: list[str]) -> str:
+    peak = "peak n/a (no NVML)"
+    if r["peak_mib"] is not None:
+        peak = f"peak {r['peak_mib']} MiB (NVML{'' if r['peak_is_per_process'] else ', device used'})"
+    ratio = ""
+    if args.nightly_tokens_per_s:
+        ratio = f", {r['tokens_per_s'] / args.nightly_tokens_per_s:.2f}x nightly-2000's tok/s"
+    figures = (
+        f"{r['items']} items in {r['wall_s']:.1f} s: {r['decisions_per_s']:.1f} decisions/s, "
+        f"{r['prompt_tokens_per_s']} prompt + {r['generated_tokens_per_s']} generated tok/s{ratio}, "
+        f"{r['oom']} OOM, {r['captures']} captures, {r['errors']} errors, {peak}"
+    )
+    hardware = f"{args.device} budget {args.memory_budget or 'GPU total - 512 MiB (worker default)'}"
+    model = f"{args.shape or 'default'} shape NF4, `kevlaya worker` defaults (+ `--memory-budget` if given)"
+    return f"| mixed/{name} | {hardware} | {model} | {figures} | `python -m bench mixed {' '.join(argv)}` |"
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,60 @@
+"""Tests that need a CUDA device (`pytest -m gpu` on the GPU machine, see bench/GPU.md); skipped without one.
+
+What only a GPU shows: a captured CUDA graph reads its inputs by address, so a tensor it reads must outlive
+the call that captured it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_config
+from worker.engine import Engine
+from worker.fastpath import DecodeRow
+
+pytestmark = pytest.mark.gpu
+
+
+def _fill_free_small_blocks(value: int) -> list[torch.Tensor]:
+    """Occupy every free block of the caching allocator's small pool with `value`: allocate one-element
+    tensors until the allocator has to open a new segment (it only does once no free block fits), so a block
+    some tensor freed earlier now holds `value`. The tensors are returned to keep them alive."""
+    junk: list[torch.Tensor] = []
+    segments = torch.cuda.memory_stats()["segment.small_pool.current"]
+    while torch.cuda.memory_stats()["segment.small_pool.current"] == segments:
+        junk.extend(torch.full((1,), value, dtype=torch.long, device="cuda") for _ in range(256))
+    return junk
+
+
+def test_a_replayed_graph_reads_the_stop_ids_of_its_own_state(tiny_models: Path) -> None:
+    """The stop ids a decode graph reads belong to the graph's state. Built per call (the old code), the
+    tensor's block went back to the allocator when `decode` returned, and a later replay of the same graph
+    read whatever was put there: here -1, so no row ever stopped."""
+    engine = Engine(tiny_config(tiny_models, "none", kev_new=40), device="cuda")
+    decoder = engine.decoders["default"]
+    assert decoder.use_graphs
+    base = engine.base_for("kev")
+    pad_id = base.tokenizer.pad_token_id
+
+    def decode(stop: int) -> torch.Tensor:
+        rows = [DecodeRow(ids=[5 + i, 6, 7, 8, 9], max_new=40, adapter=base.adapters["kev"]) for i in range(2)]
+        select = lambda names: engine._adapters(base, names)  # noqa: E731
+        return decoder.decode(rows, stop_ids=[stop], pad_id=pad_id, select=select).tokens
+
+    free = decode(decoder.stack.head.out_features + 7)[0].tolist()  # an id past the vocabulary: no stop
+    assert len(free) == 40
+    # The stop: row 0's first token that it had not emitted before, at least three steps in.
+    at = next(k for k in range(3, 40) if free[k] not in free[:k] and free[k] != pad_id)
+    stop = free[at]
+    first = decode(stop)  # captures this (rows, length, stops) graph and replays it
+    assert first[0, : at + 1].tolist() == free[: at + 1]
+    assert first[0, at + 1 :].eq(pad_id).all()  # stopped there: padding after it
+    captured = decoder.captures
+    junk = _fill_free_small_blocks(-1)
+    second = decode(stop)  # the same graph, replayed: it must still stop row 0 at `at`
+    del junk
+    assert decoder.captures == captured  # replayed, not captured again
+    assert torch.equal(second, first)

@@ -1,0 +1,73 @@
+"""Choice scoring on the static loop: each prompt encoded once, every choice scored against its cached K/V."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.job import Job
+from tests.conftest import tiny_config
+from worker.engine import Engine
+from worker.fastpath import ScoreRow
+
+PROMPTS = ["Approve a loan of 12000?", "Income 52000, debt low.", "不确定的情况", "x", "Step 1: check income " * 7]
+CHOICES = ("approve", "reject now", "need more review by the credit committee", "不确定")
+
+
+@pytest.fixture(scope="module", params=["none", "nf4"])
+def engine(request: pytest.FixtureRequest, tiny_models: Path) -> Engine:
+    return Engine(tiny_config(tiny_models, request.param), device="cpu", decode="static")
+
+
+def reference(engine: Engine, model: str, prompt: list[int], choice: tuple[int, ...]) -> float:
+    """A plain log-likelihood: HF forward of prompt + choice alone (no padding), the model's adapter active."""
+    base = engine.base_for(model)
+    with engine._adapters(base, [base.adapters[model]]), torch.inference_mode():
+        logp = base.model(input_ids=torch.tensor([prompt + list(choice)])).logits[0].float().log_softmax(-1)
+    return sum(float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(choice))
+
+
+def test_choice_scores_equal_a_plain_log_likelihood(engine: Engine) -> None:
+    """Rows of different prompt lengths, adapters (a mixed batch) and choice counts and lengths, in prefill
+    chunks small enough to split them: every choice's log-likelihood as HF computes it for prompt + choice."""
+    decoder = engine.decoders["default"]
+    base = engine.base_for("kev")
+    jobs = [
+        Job(custom_id=str(i), model=("kev", "laya")[i % 2], prompt=PROMPTS[i % 5], choices=CHOICES[: 2 + i % 3])
+        for i in range(7)
+    ]
+    items = [engine._encode(i, job) for i, job in enumerate(jobs)]
+    rows = [ScoreRow(ids=it.ids, choices=engine._choice_ids(it.job), adapter=it.adapter) for it in items]
+    assert len({len(r.ids) for r in rows}) > 2 and len({c for r in rows for c in map(len, r.choices)}) > 2
+    decoder.prefill.tokens = 40  # several prefill and continuation chunks
+    try:
+        scored = decoder.score(rows, pad_id=base.tokenizer.pad_token_id, select=lambda n: engine._adapters(base, n))
+    finally:
+        decoder.prefill.tokens = 4096
+    assert scored.bad == [False] * len(rows)
+    for job, row, got in zip(jobs, rows, scored.loglik, strict=True):
+        want = [reference(engine, job.model, row.ids, c) for c in row.choices]
+        assert got == pytest.approx(want, abs=2e-4, rel=1e-4), job.custom_id
+
+
+def test_the_engine_scores_choices_on_the_loop(engine: Engine) -> None:
+    """`run` sends choice jobs through the loop (not an HF forward per choice), beside generation jobs."""
+    calls: list[int] = []
+    decoder = engine.decoders["default"]
+    real = decoder.score
+    decoder.score = lambda rows, **kw: calls.append(len(rows)) or real(rows, **kw)  # type: ignore[method-assign]
+    try:
+        jobs = [
+            Job(custom_id="c", model="laya", prompt="Approve?", choices=("yes", "no")),
+            Job(custom_id="g", model="laya", prompt="Approve?"),
+            Job(custom_id="d", model="kev", prompt="Decide", choices=("approve", "reject", "review")),
+        ]
+        outs = engine.run(jobs)
+    finally:
+        del decoder.score
+    assert all(o.error is None for o in outs)
+    assert calls == [2]  # both choice jobs in one pass
+    assert set(outs[0].choices) == {"yes", "no"} and outs[1].choices is None
+    assert sum(outs[2].choices.values()) == pytest.approx(1.0)

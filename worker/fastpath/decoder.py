@@ -1,0 +1,378 @@
+"""The static decoder: the fast decode path, a static KV cache and one CUDA-graph-captured decode step per bucket.
+
+HF `generate` spends most of a decode step in Python and kernel launches (measured on the H200: ~75-150 ms a
+step whatever the batch size), so the GPU idles. Here greedy decoding of a batch runs as:
+
+1. prefill by the loop's own layer code, in chunks of rows of similar length (~4,096 tokens each, bounding
+   activation memory), each right-padded only to its own longest prompt so causal attention needs no mask;
+   K/V go straight into a preallocated cache of `rows x cache_len` slots, where every row's prompt ends in
+   the same column; 4-bit weights are dequantised by one op per projection, not bitsandbytes' Python path;
+2. one decode step -- embedding, every decoder layer, the LM head, the greedy choice, its log-probability,
+   stop/limit bookkeeping -- written over static buffers, so on CUDA it is captured once per (rows bucket,
+   length bucket, adapters) and replayed; the host checks "all rows finished?" only every few steps;
+3. LoRA applied here, not by PEFT's forward: one graph serves a mixed Kev/Laya batch by multiplying each
+   adapter's delta with a per-row 0/1 mask (no Python-side split, no index copies), and a single-adapter
+   batch does PEFT's arithmetic (in the compute dtype where PEFT would cast to float32 and back);
+4. grouped-query attention without expanding K/V to every head: in a decode step the query length is 1, so
+   the `heads / kv_heads` query heads that share a KV head are passed to SDPA as that head's query rows;
+5. fewer kernels per step where the result is the same element for element: RMSNorm's statistics by torch's
+   fused kernel, rotary embeddings on queries and keys together, 4-bit scales decoded once, not per call.
+
+Supported: Llama-style decoder layers (qwen2, llama, mistral) with full attention, greedy decoding. The
+engine falls back to HF `generate` (with a log line) for anything else. On CPU the loop runs without graphs,
+which is how the tests check it token for token against HF `generate`.
+
+The package's rooms: `quant4` (the only bitsandbytes-op caller), `ops` (fused elementwise steps), `weights`
+(projections, LoRA, joined groups, the layer stack's math), `graphs` (the state a graph owns, the KV pool,
+the graph cache), `prefill`, and this module (the step, the batch loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from worker.fastpath.graphs import (
+    KV,
+    Ends,
+    Entry,
+    GraphCache,
+    GraphKey,
+    KVPool,
+    State,
+    length_bucket,
+    row_bucket,
+)
+from worker.fastpath.ops import prefill_attention
+from worker.fastpath.prefill import AdapterSelect, Prefill, adapter_mask
+from worker.fastpath.sampling import Sampling, draw_rows
+from worker.fastpath.scoring import Scored, ScoreRow, score_choices
+from worker.fastpath.weights import Masks, Stack
+
+log = logging.getLogger("kevlaya.fastpath")
+
+ARCHITECTURES = ("qwen2", "llama", "mistral")
+
+
+def sampler_slots(sampled: int) -> int:
+    """Sampler slots for a batch with this many sampled rows (0 for none): bucketed like rows, so a few
+    graphs serve every mix."""
+    return row_bucket(sampled) if sampled else 0
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    ids: list[int]
+    max_new: int
+    adapter: str | None
+    sampling: Sampling | None = None  # None: greedy
+
+
+@dataclass(frozen=True)
+class Decoded:
+    tokens: torch.Tensor  # (rows, steps) on the CPU; past a row's end: padding
+    logprobs: torch.Tensor  # (rows, steps) float32 log-probability of each chosen token
+    bad: torch.Tensor  # (rows,) bool: non-finite logits seen while the row was live
+    cut_short: bool  # the deadline ended the loop before every row finished
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why the static loop cannot run this model (None when it can)."""
+    lm = causal_lm(model)
+    cfg = lm.config
+    if cfg.model_type not in ARCHITECTURES:
+        return f"architecture {cfg.model_type!r} is not one of {', '.join(ARCHITECTURES)}"
+    layer_types = getattr(cfg, "layer_types", None) or ()
+    if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+        return "sliding-window attention layers"
+    layer = lm.model.layers[0]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if not hasattr(layer.self_attn, name):
+            return f"attention has no {name}"
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        if not hasattr(layer.mlp, name):
+            return f"MLP has no {name}"
+    if hasattr(layer.self_attn, "q_norm"):
+        return "per-head query/key norms"
+    return None
+
+
+def causal_lm(model: Any) -> Any:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+class StaticDecoder:
+    """Batched decoding (greedy rows and sampled rows together) over a static KV cache, with CUDA graphs when
+    the device is a GPU."""
+
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        *,
+        use_graphs: bool,
+        check_every: int = 8,
+        prefill_tokens: int = 4096,
+        fuse_lora: bool = True,
+        join_projections: bool = True,
+        merge_lora: bool = True,
+        compile_ops: bool = True,
+    ) -> None:
+        self.model = model  # what the prefill fallback calls (the PEFT wrapper, so adapters apply)
+        self.device = device
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self.check_every = check_every
+        self.stack = Stack(
+            causal_lm(model), fuse_lora=fuse_lora, join_projections=join_projections, compile_ops=compile_ops
+        )
+        self.dtype = self.stack.dtype
+        self.prefill = Prefill(model, self.stack, tokens=prefill_tokens, merge_lora=merge_lora)
+        s = self.stack
+        self.pool = KVPool(len(s.layers), s.kv_heads, s.head_dim, s.dtype, device)
+        self.graphs = GraphCache(device, self.use_graphs)
+        self.phase_s: Counter[str] = Counter()  # seconds per phase of `decode` (and steps), for benchmarks
+
+    # ---- what the engine and the benchmarks read ---------------------------------------------
+    @property
+    def prefill_tokens(self) -> int:
+        return self.prefill.tokens
+
+    @property
+    def own_prefill(self) -> bool:
+        return self.prefill.own
+
+    @property
+    def captures(self) -> int:
+        return self.graphs.captures
+
+    # ---- memory ------------------------------------------------------------------------------
+    def _kv_views(self, rows: int, length: int) -> KV:
+        """The pool's views for rows x length; growing the pool moves it, so every captured graph goes first."""
+        if not self.pool.fits(rows, length):
+            self.release()
+        return self.pool.views(rows, length)
+
+    def holds_memory(self) -> bool:
+        """Whether `release` would free anything: a KV pool or captured graphs."""
+        return self.pool.buffer is not None or bool(self.graphs.entries)
+
+    def release(self) -> None:
+        """Drop the graphs and the KV pool (after an out-of-memory error, or to hand memory back)."""
+        self.graphs.clear()
+        self.pool.release()
+
+    # ---- the step ----------------------------------------------------------------------------
+    @staticmethod
+    def _masks(state: State, key: GraphKey) -> Masks:
+        if not key.mixed:
+            return [(name, None) for name in key.adapters]
+        return [(name, state.adapter_masks[name]) for name in key.adapters]
+
+    def _forward(self, state: State, masks: Masks) -> torch.Tensor:
+        """Logits (rows, vocab) for the tokens in `state.ids`, their K/V written at `state.cache_pos`."""
+        s = self.stack
+        rows = state.rows
+        h = s.embed(state.ids)
+        cos, sin = s.rotary(h, state.pos)
+        x = s.ops.norm(s.layers[0].norm1, h)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(s.layers, state.kv, strict=True)):
+            q, k, v = s.qkv(layer, x, masks, cos, sin)
+            k_cache.index_copy_(2, state.cache_pos, k)
+            v_cache.index_copy_(2, state.cache_pos, v)
+            # Query length 1: the query heads sharing a KV head become that head's query rows -- GQA with no
+            # K/V expansion. Head j uses KV head j // groups, as in HF's repeat_kv.
+            q = q.reshape(rows, s.kv_heads, s.groups, s.head_dim)
+            out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=state.mask, scale=layer.scaling)
+            attn = out.reshape(rows, 1, s.heads * s.head_dim)
+            h, x = s.rest(layer, h, attn, masks, s.next_norm(i))
+        return s.head(x)[:, 0]
+
+    def _choose(self, state: State, logits: torch.Tensor) -> None:
+        """Greedy choice (or each sampled row's draw) and bookkeeping, all on the device (no host sync): as HF's
+        greedy search does it --
+        argmax of the float32 logits, finished rows emit padding -- plus the chosen token's log-probability
+        and non-finite rows forced to end (flagged, so their batch-mates carry on)."""
+        logits = logits.float()
+        finite = torch.isfinite(logits).all(dim=-1)
+        token = torch.where(finite, logits.argmax(dim=-1), state.end_id)
+        logprob = logits.log_softmax(dim=-1).gather(1, token.unsqueeze(1)).squeeze(1)
+        if state.sampling is not None:
+            # Sampled rows draw from their own distribution (greedy rows keep the argmax above); a non-finite
+            # row still ends with `end_id`.
+            token, logprob = draw_rows(
+                logits, token, logprob, finite, state.sampling, state.step, filtered=state.filtered
+            )
+        state.bad |= ~finite & ~state.finished
+        token = torch.where(state.finished, state.pad_id, token)
+        state.tokens.index_copy_(1, state.step, token.unsqueeze(1))
+        state.logprobs.index_copy_(1, state.step, logprob.unsqueeze(1))
+        state.finished |= torch.isin(token, state.stop) | (state.step + 1 >= state.limits)
+        state.ids.copy_(token.unsqueeze(1))
+        state.pos += 1
+        state.cache_pos += 1
+        state.step += 1
+
+    def _step(self, state: State, masks: Masks) -> None:
+        state.mask.index_fill_(-1, state.cache_pos, True)  # the slot this step writes is now attended
+        self._choose(state, self._forward(state, masks))
+
+    # ---- graphs ------------------------------------------------------------------------------
+    def _entry(self, key: GraphKey) -> tuple[State, Callable[[], None]]:
+        """The state for `key` (or for a captured graph a little larger that can serve it), and how to run one
+        step on it: the graph's replay, or the step itself where there are no graphs."""
+        key = self.graphs.reusable(key, self.pool.fits)
+        kv = self._kv_views(key.rows, key.length)  # first: may clear the graphs
+        entry = self.graphs.get(key)
+        if entry is None:
+            state = State(key, kv, self.dtype, self.device)
+            graph = None
+            if self.use_graphs:
+                masks = self._masks(state, key)
+                try:
+                    graph = self.graphs.capture(lambda: self._step(state, masks))
+                except RuntimeError:
+                    self.release()
+                    raise
+                self.phase_s["captures"] += 1
+                # One line per capture (~0.5 s each on the H200): a stream of shapes causing a capture storm shows.
+                log.info(
+                    "decode: captured a graph for %d rows x %d tokens (%s%s; %d captured so far, %d kept)",
+                    key.rows, key.length, "+".join(key.adapters) or "base", ", sampling" if key.sampled else "",
+                    self.graphs.captures, len(self.graphs.entries) + 1,
+                )  # fmt: skip
+            entry = Entry(state=state, graph=graph)
+            self.graphs.put(key, entry)
+        state, graph = entry.state, entry.graph
+        if graph is not None:
+            return state, graph.replay
+        masks = self._masks(state, key)
+        return state, lambda: self._step(state, masks)
+
+    # ---- one batch ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(
+        self,
+        rows: Sequence[DecodeRow],
+        *,
+        stop_ids: Sequence[int],
+        pad_id: int,
+        select: AdapterSelect,
+        deadline: float | None = None,
+    ) -> Decoded:
+        """Decode every row (greedy, or sampled as its `sampling` says) to its stop token or its own `max_new`;
+        `select(adapters)` is the engine's
+        adapter choice for the prefill fallback (PEFT's own path)."""
+        n = len(rows)
+        width = max(len(r.ids) for r in rows)
+        max_new = max(r.max_new for r in rows)
+        names = {r.adapter for r in rows}
+        key = GraphKey(
+            rows=row_bucket(n),
+            length=length_bucket(width + max_new),
+            adapters=tuple(sorted(a for a in names if a is not None)),
+            mixed=len(names) > 1,
+            ends=Ends(end_id=stop_ids[0], pad_id=pad_id, stops=tuple(sorted(set(stop_ids)))),
+            samplers=sampler_slots(sum(r.sampling is not None for r in rows)),
+            filtered=any(r.sampling is not None and r.sampling.filtered for r in rows),
+        )
+        started = time.perf_counter()
+        state, replay = self._entry(key)
+        self._reset(state, rows, width, key.adapters if key.mixed else ())
+        prefill_at = time.perf_counter()
+        first = self.prefill.run(state.kv, rows, width=width, out_rows=state.rows, pad_id=pad_id, select=select)
+        self._choose(state, first)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # one wait per batch, so the phase times below are the GPU's
+        decode_at = time.perf_counter()
+        steps = 1
+        cut_short = False
+        while steps < max_new:
+            for _ in range(min(self.check_every, max_new - steps)):
+                replay()
+                steps += 1
+            if bool(state.finished[:n].all()):
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                cut_short = True
+                break
+        cpu = torch.device("cpu")  # copies: on the CPU `.cpu()` would hand out views the next batch overwrites
+        result = Decoded(
+            tokens=state.tokens[:n, :steps].to(cpu, copy=True),
+            logprobs=state.logprobs[:n, :steps].to(cpu, copy=True),
+            bad=state.bad[:n].to(cpu, copy=True),
+            cut_short=cut_short,  # only set while some row is unfinished
+        )
+        done = time.perf_counter()
+        self.phase_s["setup"] += prefill_at - started  # graph captures included
+        self.phase_s["prefill"] += decode_at - prefill_at
+        self.phase_s["decode"] += done - decode_at
+        self.phase_s["decode_steps"] += steps
+        log.debug(
+            "batch rows=%d bucket=%d length=%d width=%d steps=%d setup=%.3fs prefill=%.3fs decode=%.3fs captures=%d",
+            n, state.rows, key.length, width, steps, prefill_at - started, decode_at - prefill_at, done - decode_at,
+            self.captures,
+        )  # fmt: skip
+        return result
+
+    @torch.inference_mode()
+    def score(self, rows: Sequence[ScoreRow], *, pad_id: int, select: AdapterSelect) -> Scored:
+        """Each row's choices scored by log-likelihood after its prompt: the prompt prefilled once into the KV
+        pool (the same pool decoding uses: a take holding both kinds of rows releases nothing), then every
+        choice of the row against that cache (see `scoring`)."""
+        started = time.perf_counter()
+        width = max(len(r.ids) for r in rows)
+        span = max(r.choice_tokens for r in rows)
+        kv = self._kv_views(len(rows), length_bucket(width + span))
+        for k, v in kv:
+            k.zero_()  # padding slots must not hold NaNs (a masked slot weighs 0, but 0 x NaN is NaN)
+            v.zero_()
+        first = self.prefill.run(kv, rows, width=width, out_rows=len(rows), pad_id=pad_id, select=select)
+        with prefill_attention(self.device):  # not cuDNN: it plans anew for every (rows, length) shape
+            scored = score_choices(
+                self.stack,
+                kv,
+                rows,
+                first,
+                width=width,
+                chunk_tokens=self.prefill.tokens,
+                merge_lora=self.prefill.merge_lora,
+            )
+        self.phase_s["score"] += time.perf_counter() - started
+        return scored
+
+    def _reset(self, state: State, rows: Sequence[DecodeRow], width: int, mixed_adapters: tuple[str, ...]) -> None:
+        """Fresh state for a batch: zeroed cache (stale or uninitialised slots must not hold NaNs: a masked
+        slot's weight is 0, but 0 x NaN is NaN), masks over each row's real tokens, per-row limits."""
+        n, bucket = len(rows), state.rows
+        for k, v in state.kv:
+            k.zero_()
+            v.zero_()
+        mask = torch.zeros(bucket, state.length, dtype=torch.bool)
+        pos = torch.zeros(bucket, 1, dtype=torch.long)
+        limits = torch.ones(bucket, dtype=torch.long)
+        finished = torch.ones(bucket, dtype=torch.bool)  # bucket padding rows are finished from the start
+        mask[n:, width - 1] = True
+        for i, row in enumerate(rows):
+            mask[i, width - len(row.ids) : width] = True
+            pos[i, 0] = len(row.ids) - 1  # _choose advances it to the first generated token's position
+            limits[i] = row.max_new
+            finished[i] = False
+        state.mask.copy_(mask.view(bucket, 1, 1, -1))
+        state.pos.copy_(pos)
+        state.limits.copy_(limits)
+        state.finished.copy_(finished)
+        state.bad.zero_()
+        state.step.zero_()
+        state.cache_pos.fill_(width - 1)
+        if state.sampling is not None:
+            state.sampling.reset([r.sampling for r in rows], self.stack.head.out_features)
+        for name in mixed_adapters:
+            state.adapter_masks[name][:n].copy_(adapter_mask(rows, name, self.dtype, self.device))
+            state.adapter_masks[name][n:] = 0.0

@@ -1,0 +1,229 @@
+"""The static state a decode graph owns, the KV pool its caches are views of, and the cache of captured graphs.
+
+A CUDA graph replays kernels on fixed addresses: every tensor a captured step reads or writes must stay alive,
+and at the same address, for as long as the graph may replay. So each graph has one `State` record that owns
+all of them (the stop ids included), and nothing a graph reads is built per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from worker.fastpath.sampling import SamplingState
+
+log = logging.getLogger("kevlaya.fastpath")
+
+# Rows are padded up to one of these, so a handful of graphs serve every batch size. Steps of 16 from 64 to
+# 256: the memory plan is rounded down to one, and a take cut at 192 where 214 fit cost a whole extra batch.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, *range(64, 257, 16), 288, 320, 352, 384, 448, 512)
+LENGTH_QUANTUM = 64  # cache lengths are multiples of this (aligned SDPA masks, few distinct graphs)
+MAX_GRAPHS = 12  # captured graphs kept (least recently used dropped); each pins its static buffers
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values), each (rows, kv_heads, length, head_dim)
+
+
+def row_bucket(rows: int) -> int:
+    return next((b for b in ROW_BUCKETS if b >= rows), rows)
+
+
+def length_bucket(tokens: int) -> int:
+    return LENGTH_QUANTUM * math.ceil(tokens / LENGTH_QUANTUM)
+
+
+@dataclass(frozen=True)
+class Ends:
+    """How a row ends: the id a non-finite row is forced to emit, the padding finished rows emit, and every
+    stop id. Part of a graph's key: the ids are baked into (or owned by) the captured step."""
+
+    end_id: int
+    pad_id: int
+    stops: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """What a captured step depends on besides its state's contents."""
+
+    rows: int
+    length: int
+    adapters: tuple[str, ...]
+    mixed: bool  # per-row adapter masks (else every row uses every adapter in `adapters`: zero or one)
+    ends: Ends
+    # Sampler slots: the batch's sampled rows, bucketed (0: greedy only, the step skips drawing). Only these
+    # slots draw, so a few sampled rows among hundreds cost a few rows' worth of sampling work and memory.
+    samplers: int = 0
+    filtered: bool = False  # some sampled row cuts to top-p / top-k: the step sorts its slots' logits
+
+    @property
+    def sampled(self) -> bool:
+        return self.samplers > 0
+
+
+class State:
+    """Every tensor one graph reads and writes (a captured graph reads them by address, so it owns them all);
+    the KV tensors are views of the shared pool for its rows x length."""
+
+    def __init__(self, key: GraphKey, kv: KV, dtype: torch.dtype, device: torch.device) -> None:
+        def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        rows, length = key.rows, key.length
+        self.rows, self.length, self.kv = rows, length, kv
+        # The stop ids live here, not in a tensor built per call: a captured graph reads them by address, and a
+        # per-call tensor's block is reused by the allocator once the call returns (no early stop, or a stray
+        # token taken for a stop, on a later replay).
+        self.end_id, self.pad_id = key.ends.end_id, key.ends.pad_id
+        self.stop = torch.tensor(key.ends.stops, dtype=torch.long, device=device)
+        self.ids = zeros(rows, 1)
+        self.pos = zeros(rows, 1)
+        self.cache_pos = zeros(1)
+        self.step = zeros(1)
+        self.limits = zeros(rows)
+        self.mask = zeros(rows, 1, 1, length, dtype=torch.bool)
+        self.tokens = zeros(rows, length)
+        self.logprobs = zeros(rows, length, dtype=torch.float32)
+        self.finished = zeros(rows, dtype=torch.bool)
+        self.bad = zeros(rows, dtype=torch.bool)
+        # (rows, 1, 1) 0/1 per adapter of a mixed batch: multiplies that adapter's LoRA delta per row.
+        self.adapter_masks: dict[str, torch.Tensor] = {
+            name: zeros(rows, 1, 1, dtype=dtype) for name in (key.adapters if key.mixed else ())
+        }
+        self.sampling = SamplingState(key.samplers, rows, device) if key.sampled else None
+        self.filtered = key.filtered
+
+
+class KVPool:
+    """One buffer for every layer's K and V, so graphs of different buckets share the memory (only one batch
+    runs at a time). Growing the pool moves it, which invalidates every graph holding views of it."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.buffer: torch.Tensor | None = None
+
+    def bytes_for(self, rows: int, length: int) -> int:
+        return 2 * self.layers * rows * self.kv_heads * length * self.head_dim * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
+
+    def fits(self, rows: int, length: int) -> bool:
+        return self.buffer is not None and self.nbytes >= self.bytes_for(rows, length)
+
+    def views(self, rows: int, length: int) -> KV:
+        """Per-layer K and V views for `rows x length`; the caller must have grown the pool (see `fits`)."""
+        per = rows * self.kv_heads * length * self.head_dim
+        need = 2 * self.layers * per
+        if self.buffer is None or self.buffer.numel() < need:
+            self.buffer = None  # the old buffer freed before the new one is allocated
+            self.buffer = torch.zeros(need, dtype=self.dtype, device=self.device)
+        shape = (rows, self.kv_heads, length, self.head_dim)
+        return [
+            (
+                self.buffer[2 * i * per : (2 * i + 1) * per].view(shape),
+                self.buffer[(2 * i + 1) * per : (2 * i + 2) * per].view(shape),
+            )
+            for i in range(self.layers)
+        ]
+
+    def release(self) -> None:
+        self.buffer = None
+
+
+@dataclass(frozen=True)
+class Entry:
+    state: State
+    graph: torch.cuda.CUDAGraph | None  # None: no graphs (CPU, or `--decode static`), the step runs eagerly
+
+
+class GraphCache:
+    """The entries (state + captured graph) per key, least recently used dropped past `MAX_GRAPHS`, all graphs
+    capturing into one shared memory pool."""
+
+    def __init__(self, device: torch.device, use_graphs: bool) -> None:
+        self.device = device
+        self.use_graphs = use_graphs
+        self.entries: OrderedDict[GraphKey, Entry] = OrderedDict()
+        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        # A captured graph of up to this many times a batch's rows serves it (no graphs, nothing to save).
+        self.reuse_slack = 1.5 if use_graphs else 1.0
+        # A captured graph of up to this many times a batch's cache length serves it. A stream of prompts of many
+        # lengths otherwise captured a graph for every 64-token length bucket (29 captures in 81 s on the H200).
+        self.length_slack = 1.25 if use_graphs else 1.0
+        self.captures = 0  # graphs captured so far (a benchmark figure)
+
+    def reusable(self, key: GraphKey, fits: Callable[[int, int], bool]) -> GraphKey:
+        """An already captured graph's key that can serve this batch instead of a new capture: the same key but
+        for up to 2x the sampler slots, up to `reuse_slack` x the rows (its extra rows idle along) and up to
+        `length_slack` x the cache
+        length (the extra slots stay masked), whose rows x length the KV pool already holds (`fits`: no memory
+        beyond what is allocated, so no plan is exceeded). A capture costs ~0.5 s on the H200; a step of 256
+        rows costs ~5% more than one of 224, and a few masked columns cost the attention almost nothing."""
+        fitting = [
+            k
+            for k in self.entries
+            if replace(k, rows=key.rows, length=key.length, samplers=key.samplers) == key
+            and key.rows <= k.rows <= key.rows * self.reuse_slack
+            and key.samplers <= k.samplers <= 2 * key.samplers  # spare sampler slots idle (greedy stays greedy)
+            and key.length <= k.length <= key.length * self.length_slack
+            and fits(k.rows, k.length)
+        ]
+        return min(fitting, key=lambda k: (k.rows * k.length, k.rows), default=key)
+
+    def get(self, key: GraphKey) -> Entry | None:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def put(self, key: GraphKey, entry: Entry) -> None:
+        self.entries[key] = entry
+        while len(self.entries) > MAX_GRAPHS:
+            self.entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        if self.use_graphs:
+            # A graph memory pool whose graphs are all gone cannot take a new capture (the allocator asserts
+            # on it), so later captures share a fresh one.
+            self._pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """`step` (which touches only its state's tensors) captured as a CUDA graph. Out of memory while
+        capturing is raised as `torch.OutOfMemoryError` (the engine splits the batch on it)."""
+        # Warm up on a side stream first (lazy cuBLAS/bnb initialisation must not happen inside a capture);
+        # the warm-up writes garbage into the state, which every batch overwrites before replaying.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # Blocks cached for ordinary allocations cannot be handed to the graph's pool while it captures
+            # (freeing them there is not allowed), so under a memory cap a capture runs out of memory unless
+            # the cache is emptied first -- as `torch.cuda.graph(...)` does, but without its garbage
+            # collection (~0.6 s a capture in the nightly profile).
+            torch.cuda.empty_cache()
+            with torch.cuda.stream(stream):
+                graph.capture_begin(self._pool)
+                try:
+                    step()
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        except RuntimeError as exc:
+            if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc):
+                # The engine splits the batch on this; whatever else broke the capture stays a RuntimeError.
+                raise torch.OutOfMemoryError(f"out of memory while capturing a decode graph: {exc}") from exc
+            raise
+        self.captures += 1
+        return graph

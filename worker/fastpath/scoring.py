@@ -1,0 +1,177 @@
+"""Choice scoring on the fast path: each prompt encoded once, every choice scored against its cached K/V.
+
+HF's way -- one padded forward pass over prompt + choice for every (row, choice) pair -- encodes each prompt
+once per choice and builds a padding mask, so attention falls back to the math kernel with a full score matrix
+(the memory plan then runs out, and the retry releases the decode graphs). Here:
+
+1. the loop's own chunked prefill writes each row's prompt K/V into the static cache (right-aligned at column
+   `width`, as for decoding) and hands back the first choice token's logits;
+2. one more pass runs every choice's tokens of a row side by side after the prompt (columns `width` ...), each
+   token attending to its row's prompt and to the earlier tokens of its own choice only: a block-diagonal
+   causal mask, the positions restarting after the prompt for each choice;
+3. a choice's log-likelihood is the sum of its tokens' log-probabilities (its end-of-answer token included),
+   the LM head run only where a next token is scored, in slices of `LOGIT_ROWS` positions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.fastpath.graphs import KV
+from worker.fastpath.prefill import row_masks, to_device
+from worker.fastpath.weights import Stack
+
+LOGIT_ROWS = 256  # positions per LM-head slice: (slice, vocab) float32 logits and their log-softmax at a time
+
+
+@dataclass(frozen=True)
+class ScoreRow:
+    ids: list[int]  # the prompt
+    choices: tuple[tuple[int, ...], ...]  # each choice's tokens (end-of-answer included), none empty
+    adapter: str | None
+
+    @property
+    def choice_tokens(self) -> int:
+        return sum(len(c) for c in self.choices)
+
+
+@dataclass(frozen=True)
+class Scored:
+    loglik: list[tuple[float, ...]]  # per row, each choice's log-likelihood (float64 sums)
+    bad: list[bool]  # per row: a non-finite log-probability among its choices' tokens
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where the choices of a group of rows go: token, position, cache column, own-choice attention, targets."""
+
+    tokens: torch.Tensor  # (rows, T) every choice's tokens side by side (padding after)
+    positions: torch.Tensor  # (rows, T) the position each token has after its row's prompt
+    mask: torch.Tensor  # (rows, 1, T, width + T) what each token attends to
+    rows: torch.Tensor  # (P,) for each scored position: its row in the group...
+    columns: torch.Tensor  # (P,) ...and its column among the T, whose output predicts...
+    targets: torch.Tensor  # (P,) ...this token
+    owners: list[tuple[int, int]]  # (row in the group, choice) of each scored position
+
+
+def layout(rows: Sequence[ScoreRow], width: int, span: int, device: torch.device) -> _Layout:
+    n = len(rows)
+    tokens = torch.zeros((n, span), dtype=torch.long)
+    positions = torch.zeros((n, span), dtype=torch.long)
+    mask = torch.zeros((n, 1, span, width + span), dtype=torch.bool)
+    scored_rows: list[int] = []
+    scored_columns: list[int] = []
+    targets: list[int] = []
+    owners: list[tuple[int, int]] = []
+    for r, row in enumerate(rows):
+        prompt = len(row.ids)
+        mask[r, 0, :, width - prompt : width] = True  # every choice token sees the row's whole prompt
+        start = 0
+        for c, choice in enumerate(row.choices):
+            m = len(choice)
+            tokens[r, start : start + m] = torch.tensor(choice, dtype=torch.long)
+            positions[r, start : start + m] = torch.arange(prompt, prompt + m)
+            # Causal within the choice: token o sees the choice's tokens 0..o (its own K/V included).
+            mask[r, 0, start : start + m, width + start : width + start + m] = torch.ones(m, m, dtype=torch.bool).tril()
+            for o in range(m - 1):  # the output at token o scores token o + 1 (token 0: the prefill's logits)
+                scored_rows.append(r)
+                scored_columns.append(start + o)
+                targets.append(choice[o + 1])
+                owners.append((r, c))
+            start += m
+        mask[r, 0, start:, width - 1] = True  # padding tokens attend to one real slot (no all-masked rows)
+    long = lambda values: to_device(torch.tensor(values, dtype=torch.long), device)  # noqa: E731
+    return _Layout(
+        tokens=to_device(tokens, device),
+        positions=to_device(positions, device),
+        mask=to_device(mask, device),
+        rows=long(scored_rows),
+        columns=long(scored_columns),
+        targets=long(targets),
+        owners=owners,
+    )
+
+
+def score_choices(
+    stack: Stack,
+    kv: KV,
+    rows: Sequence[ScoreRow],
+    first_logits: torch.Tensor,
+    *,
+    width: int,
+    chunk_tokens: int,
+    merge_lora: bool,
+) -> Scored:
+    """Each row's choices scored after its prompt, whose K/V `kv` already holds (prefilled, ending in column
+    `width - 1`); `first_logits` (rows, vocab) float32 are the prefill's logits after each prompt."""
+    device = stack.device
+    sums = [[0.0] * len(row.choices) for row in rows]
+    bad = [False] * len(rows)
+    first = first_logits[: len(rows)].log_softmax(dim=-1)
+    heads = torch.tensor([c[0] for row in rows for c in row.choices], dtype=torch.long)
+    which = torch.tensor([r for r, row in enumerate(rows) for _ in row.choices], dtype=torch.long)
+    first_lp = first[to_device(which, device), to_device(heads, device)].double().cpu().tolist()
+    k = 0
+    for r, row in enumerate(rows):
+        for c in range(len(row.choices)):
+            sums[r][c] += first_lp[k]
+            k += 1
+    span = max(row.choice_tokens for row in rows)
+    if span > 1:
+        step = max(1, chunk_tokens // span)
+        for start in range(0, len(rows), step):
+            part = rows[start : start + step]
+            lp = _continuation(stack, kv, part, start, width, span, merge_lora)
+            for (r, c), value in zip(lp.owners, lp.values, strict=True):
+                sums[start + r][c] += value
+    for r in range(len(rows)):
+        bad[r] = not all(math.isfinite(v) for v in sums[r])
+    return Scored(loglik=[tuple(s) for s in sums], bad=bad)
+
+
+@dataclass(frozen=True)
+class _Picked:
+    owners: list[tuple[int, int]]
+    values: list[float]
+
+
+def _continuation(
+    stack: Stack, kv: KV, part: Sequence[ScoreRow], offset: int, width: int, span: int, merge_lora: bool
+) -> _Picked:
+    """The choice tokens of rows `offset ...` through the layers, after their cached prompts: the
+    log-probability of every choice token after the first."""
+    s = stack
+    device = s.device
+    lay = layout(part, width, span, device)
+    n = len(part)
+    masks = row_masks(part, s.dtype, device)
+    h = s.embed(lay.tokens)
+    cos, sin = s.rotary(h, lay.positions)
+    x = s.ops.norm(s.layers[0].norm1, h)
+    # GQA without expanding K/V: the query heads sharing a KV head become that head's query rows (as in a
+    # decode step), the mask repeated for each of them.
+    mask = lay.mask.expand(n, s.groups, span, width + span).reshape(n, 1, s.groups * span, width + span)
+    for i, (layer, (k_cache, v_cache)) in enumerate(zip(s.layers, kv, strict=True)):
+        merged = layer.merged(masks) if merge_lora else None
+        dense, lora = (merged, []) if merged is not None else (layer.dense(), masks)
+        q, k, v = s.qkv(layer, x, lora, cos, sin, dense)
+        k_cache[offset : offset + n, :, width : width + span] = k
+        v_cache[offset : offset + n, :, width : width + span] = v
+        keys = k_cache[offset : offset + n, :, : width + span]  # views: the prompt and these choices
+        values = v_cache[offset : offset + n, :, : width + span]
+        q = q.reshape(n, s.kv_heads, s.groups * span, s.head_dim)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling)
+        attn = out.reshape(n, s.heads, span, s.head_dim).transpose(1, 2).reshape(n, span, s.heads * s.head_dim)
+        h, x = s.rest(layer, h, attn, lora, s.next_norm(i), dense)
+    values: list[float] = []
+    for start in range(0, lay.targets.numel(), LOGIT_ROWS):
+        where = slice(start, start + LOGIT_ROWS)
+        hidden = x[lay.rows[where], lay.columns[where]]
+        logp = s.head(hidden).float().log_softmax(dim=-1)
+        values.extend(logp.gather(1, lay.targets[where, None])[:, 0].double().cpu().tolist())
+    return _Picked(owners=lay.owners, values=values)

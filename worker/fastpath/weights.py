@@ -1,0 +1,374 @@
+"""The weights of a decoder layer as the loop runs them: projections with their LoRA adapters, q/k/v and
+gate/up joined into one matmul each, and the layer stack's math shared by prefill, decode and scoring."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from worker.fastpath.ops import Ops, norm_of
+from worker.fastpath.quant4 import Layout4bit, float_absmax
+
+GroupDense = tuple[torch.Tensor | None, ...]
+Masks = list[tuple[str, torch.Tensor | None]]  # (adapter, per-row 0/1 mask or None: every row) per LoRA delta
+# Per layer: the q/k/v group's ready weights, o's, the gate/up group's, down's (a group: one joint weight or one
+# per member; None: that base layer runs itself).
+Dense = tuple[GroupDense, torch.Tensor | None, GroupDense, torch.Tensor | None]
+NO_DENSE: Dense = ((), None, (), None)
+
+
+@dataclass(frozen=True)
+class Lora:
+    a: torch.nn.Module
+    b: torch.nn.Module
+    scaling: float
+
+
+class Proj:
+    """One linear of a decoder layer: its base layer and, when PEFT wrapped it, each adapter's A, B, scale.
+
+    PEFT keeps adapter weights in float32, so with a bf16/fp16 model every LoRA call costs a cast in, two
+    float32 matmuls, a scale, a cast out and an add: six small kernels per adapter and projection, ~45% of
+    a decode step's GPU time in the measured kernel table. Where that cast is needed the loop instead uses
+    compute-dtype copies with the scale folded into B (`linear` + `addmm`, two kernels); where it is not
+    (float32 models, the CPU tests) it keeps PEFT's exact arithmetic."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, *, fuse: bool = True) -> None:
+        self.base = getattr(module, "base_layer", module)
+        self.lora: dict[str, Lora] = {}
+        self.fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if hasattr(module, "lora_A"):
+            for name in module.lora_A:
+                lora = Lora(module.lora_A[name], module.lora_B[name], float(module.scaling[name]))
+                self.lora[name] = lora
+                plain = lora.a.bias is None and lora.b.bias is None
+                if fuse and plain and lora.a.weight.dtype != dtype:
+                    with torch.no_grad():
+                        self.fused[name] = (lora.a.weight.to(dtype), (lora.b.weight * lora.scaling).to(dtype))
+        # PEFT's bnb layers cast the delta to the output dtype before adding; its plain layers add, then cast.
+        self.cast_delta_first = type(module).__module__.endswith("lora.bnb")
+        self.dtype = dtype
+        # On CPU bitsandbytes repacks a 4-bit weight for its own kernel at the first call: leave it to that.
+        state = getattr(self.base.weight, "quant_state", None)
+        on_gpu = self.base.weight.device.type == "cuda"
+        self.absmax = float_absmax(state) if state is not None and on_gpu else None
+
+    def dense(self) -> torch.Tensor | None:
+        """The base weight ready for `F.linear`: a plain layer's own weight, or a CUDA 4-bit weight dequantised
+        by one op (`Layout4bit.dense`). None: the base layer must run itself (4-bit on CPU, where
+        bitsandbytes repacks the weight for its own kernel)."""
+        weight = self.base.weight
+        if getattr(weight, "quant_state", None) is None:
+            return weight if isinstance(self.base, torch.nn.Linear) and weight.dtype == self.dtype else None
+        layout = self._layout()
+        return None if layout is None else layout.dense(weight.view(-1, 1))
+
+    def _layout(self) -> Layout4bit | None:
+        """This 4-bit weight's layout on its float32 scales (None: no scales decoded, the module runs)."""
+        if self.absmax is None:
+            return None
+        state = self.base.weight.quant_state
+        dtype = getattr(self.base, "compute_dtype", None) or self.dtype
+        return Layout4bit(
+            absmax=self.absmax, blocksize=state.blocksize, quant_type=state.quant_type, shape=list(state.shape),
+            dtype=dtype,
+        )  # fmt: skip
+
+    def merged(self, adapter: str | None) -> torch.Tensor | None:
+        """`dense()` with `adapter`'s fused LoRA delta added into the weight (W + B A, one small matmul per
+        prefill chunk instead of two on every token); None where that cannot be done exactly as planned (no
+        ready weight, or PEFT's float32 arithmetic kept)."""
+        weight = self.dense()
+        if weight is None or adapter is None or adapter not in self.lora:
+            return weight
+        if adapter not in self.fused:
+            return None
+        a, b = self.fused[adapter]
+        return torch.addmm(weight, b, a)
+
+    def __call__(self, x: torch.Tensor, masks: Masks, dense: torch.Tensor | None = None) -> torch.Tensor:
+        return self.add_lora(self.base_out(x, dense), x, masks)
+
+    def base_out(self, x: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
+        if dense is not None:
+            bias = self.base.bias
+            return F.linear(x.to(dense.dtype), dense, None if bias is None else bias.to(dense.dtype)).to(x.dtype)
+        if (layout := self._layout()) is not None:
+            bias = None if self.base.bias is None else self.base.bias.to(layout.dtype)
+            return layout.matmul(x, self.base.weight.view(-1, 1), bias)
+        return self.base(x)
+
+    def add_lora(self, result: torch.Tensor, x: torch.Tensor, masks: Masks) -> torch.Tensor:
+        """`result` (this projection's base output) plus each adapter's delta, masked per row when mixed."""
+        out_dtype = result.dtype
+        for name, mask in masks:
+            if name in self.fused:
+                a, b = self.fused[name]
+                result = fused_delta(result, x, a, b, mask)
+                continue
+            lora = self.lora.get(name)
+            if lora is None:
+                continue
+            delta = lora.b(lora.a(x.to(lora.a.weight.dtype))) * lora.scaling
+            if self.cast_delta_first:
+                delta = delta.to(out_dtype)
+            if mask is not None:
+                delta = delta * mask
+            result = result + delta
+        return result.to(out_dtype)
+
+
+def fused_delta(
+    result: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """result + mask * (x A^T) B^T in two kernels (`linear`, then `addmm` adding into the result)."""
+    low = F.linear(x, a)
+    if mask is not None:
+        low = low * mask
+    flat = torch.addmm(result.reshape(-1, result.shape[-1]), low.reshape(-1, low.shape[-1]), b.t())
+    return flat.view(result.shape)
+
+
+class Group:
+    """Projections of one input (q/k/v; gate/up) as one matmul: their weights concatenated along the output
+    dimension. A decode step then launches one 4-bit dequantise-and-matmul where it launched three, and
+    prefill dequantises once per group, not per projection; the outputs are views of the joint result.
+
+    The members' own weights become views of the joint buffer (no second copy in memory), so PEFT's forward
+    -- the fallback paths -- reads the same bytes. 4-bit weights join when they share block size, type and
+    compute dtype: 4-bit blocks never straddle two matrices (each holds a multiple of 64 weights), so the
+    joint dequantisation gives the members' values element for element. LoRA deltas join too where the loop
+    fuses them (compute-dtype copies): A's stacked, B block-diagonal, so one `linear` + `addmm` per adapter
+    serves the group; elsewhere each member adds PEFT's exact delta to its slice."""
+
+    def __init__(self, projs: list[Proj], dtype: torch.dtype, *, join: bool = True) -> None:
+        self.projs = projs
+        self.sizes = [p.base.out_features for p in projs]
+        # join=False: the members run one by one (to compare against the joint matmul).
+        self.joint = join_bases(projs, dtype) if join and len(projs) > 1 else None
+        self.lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        names = set(projs[0].fused)
+        if self.joint is not None and names and all(set(p.fused) == names and not p.lora.keys() - names for p in projs):
+            with torch.no_grad():
+                for name in names:
+                    self.lora[name] = (torch.cat([p.fused[name][0] for p in projs]), block_diagonal(
+                        [p.fused[name][1] for p in projs]))  # fmt: skip
+            for p in projs:
+                p.fused = {}  # the joint copies replace them
+
+    def dense(self) -> GroupDense:
+        if self.joint is not None:
+            return (self.joint.dense(),)
+        return tuple(p.dense() for p in self.projs)
+
+    def merged(self, adapter: str | None) -> GroupDense | None:
+        """`dense()` with `adapter`'s LoRA merged into the weights (see `Proj.merged`), or None."""
+        if self.joint is None:
+            parts = tuple(p.merged(adapter) for p in self.projs)
+            return None if any(part is None for part in parts) else parts
+        weight = self.joint.dense()
+        if adapter is None or not any(adapter in p.lora for p in self.projs):
+            return (weight,)
+        if adapter not in self.lora:
+            return None
+        a, b = self.lora[adapter]
+        return (torch.addmm(weight, b, a),)
+
+    def __call__(
+        self, x: torch.Tensor, masks: Masks, dense: GroupDense = ()
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Each member's output, and the joint output they are views of (None: members ran separately)."""
+        if self.joint is None:
+            dense = dense or (None,) * len(self.projs)
+            return [p(x, masks, d) for p, d in zip(self.projs, dense, strict=True)], None
+        joint = self.joint.base_out(x, dense[0] if dense else None)
+        if self.lora:
+            for name, mask in masks:
+                if name in self.lora:  # else no member has this adapter's LoRA
+                    a, b = self.lora[name]
+                    joint = fused_delta(joint, x, a, b, mask)
+            return list(joint.split(self.sizes, dim=-1)), joint
+        parts = joint.split(self.sizes, dim=-1)
+        return [p.add_lora(part, x, masks) for p, part in zip(self.projs, parts, strict=True)], None
+
+
+def block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """(sum out, sum r) with each (out_i, r_i) block on the diagonal: the stacked low-rank inputs of one
+    member only reach that member's outputs (the zeros add exactly nothing)."""
+    out = blocks[0].new_zeros(sum(b.shape[0] for b in blocks), sum(b.shape[1] for b in blocks))
+    row = col = 0
+    for b in blocks:
+        out[row : row + b.shape[0], col : col + b.shape[1]] = b
+        row, col = row + b.shape[0], col + b.shape[1]
+    return out
+
+
+class JointBase:
+    """The concatenated base weights of a `Group`, as a `_Proj` runs its base layer (4-bit or plain)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: Layout4bit | None) -> None:
+        self.weight, self.bias, self.quant = weight, bias, quant
+
+    def dense(self) -> torch.Tensor:
+        return self.weight if self.quant is None else self.quant.dense(self.weight)
+
+    def base_out(self, x: torch.Tensor, dense: torch.Tensor | None) -> torch.Tensor:
+        if dense is None and self.quant is not None:
+            return self.quant.matmul(x, self.weight, self.bias)
+        weight = self.weight if dense is None else dense
+        return F.linear(x.to(weight.dtype), weight, self.bias).to(x.dtype)
+
+
+@torch.no_grad()
+def join_bases(projs: list[Proj], dtype: torch.dtype) -> JointBase | None:
+    """One buffer for the members' base weights (and biases), the members' weights rebound to views of it;
+    None where they cannot join (4-bit on the CPU, mixed layouts or dtypes, a base layer of another kind)."""
+    bases = [p.base for p in projs]
+    states = [getattr(b.weight, "quant_state", None) for b in bases]
+    if len({b.in_features for b in bases}) != 1:
+        return None
+    if all(s is None for s in states):
+        if not all(isinstance(b, torch.nn.Linear) and b.weight.dtype == dtype for b in bases):
+            return None
+        weight = torch.cat([b.weight.data for b in bases])
+        rebind([b.weight for b in bases], weight)
+        return JointBase(weight, joint_bias(bases, dtype), None)
+    if any(s is None for s in states) or any(p.absmax is None for p in projs):
+        return None
+    compute = {getattr(b, "compute_dtype", None) or dtype for b in bases}
+    layouts = {(s.blocksize, s.quant_type) for s in states}
+    if len(compute) != 1 or len(layouts) != 1 or any(math.prod(s.shape) % s.blocksize for s in states):
+        return None
+    (blocksize, quant_type), (compute_dtype,) = layouts.pop(), compute
+    weight = torch.cat([b.weight.data.reshape(-1) for b in bases]).view(-1, 1)
+    rebind([b.weight for b in bases], weight)
+    absmax = torch.cat([p.absmax for p in projs])
+    for p, view in zip(projs, absmax.split([p.absmax.numel() for p in projs]), strict=True):
+        if p.absmax is p.base.weight.quant_state.absmax:
+            p.base.weight.quant_state.absmax = view  # plain (not nested) scales: bitsandbytes' own, shared
+        p.absmax = view
+    shape = [sum(s.shape[0] for s in states), states[0].shape[1]]
+    layout = Layout4bit(absmax=absmax, blocksize=blocksize, quant_type=quant_type, shape=shape, dtype=compute_dtype)
+    return JointBase(weight, joint_bias(bases, compute_dtype), layout)
+
+
+def joint_bias(bases: list[torch.nn.Module], dtype: torch.dtype) -> torch.Tensor | None:
+    if all(b.bias is None for b in bases):
+        return None
+    return torch.cat([
+        b.bias.to(dtype) if b.bias is not None else torch.zeros(b.out_features, dtype=dtype, device=b.weight.device)
+        for b in bases
+    ])  # fmt: skip
+
+
+def rebind(params: list[torch.Tensor], joint: torch.Tensor) -> None:
+    """Each parameter's data becomes its slice of `joint` (same shape): one copy of the weights in memory."""
+    offset = 0
+    for param in params:
+        n = param.data.numel()
+        param.data = joint.reshape(-1)[offset : offset + n].view(param.data.shape)
+        offset += n
+
+
+class Layer:
+    def __init__(self, layer: torch.nn.Module, dtype: torch.dtype, fuse: bool, join: bool = True) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.norm1, self.norm2 = norm_of(layer.input_layernorm), norm_of(layer.post_attention_layernorm)
+
+        def group(module: torch.nn.Module, *names: str) -> Group:
+            return Group([Proj(getattr(module, n), dtype, fuse=fuse) for n in names], dtype, join=join)
+
+        self.qkv = group(attn, "q_proj", "k_proj", "v_proj")
+        self.o = Proj(attn.o_proj, dtype, fuse=fuse)
+        self.gate_up = group(mlp, "gate_proj", "up_proj")
+        self.down = Proj(mlp.down_proj, dtype, fuse=fuse)
+        self.act = mlp.act_fn
+        self.scaling = float(attn.scaling)
+
+    def dense(self) -> Dense:
+        return (self.qkv.dense(), self.o.dense(), self.gate_up.dense(), self.down.dense())
+
+    def merged(self, masks: Masks) -> Dense | None:
+        """Ready weights with the one adapter of a single-adapter chunk merged in (its LoRA then costs nothing
+        per token), or None: a mixed chunk, or a projection that cannot merge."""
+        if len(masks) > 1 or (masks and masks[0][1] is not None):
+            return None
+        adapter = masks[0][0] if masks else None
+        qkv, gate_up = self.qkv.merged(adapter), self.gate_up.merged(adapter)
+        o, down = self.o.merged(adapter), self.down.merged(adapter)
+        if qkv is None or gate_up is None or o is None or down is None:
+            return None
+        return (qkv, o, gate_up, down)
+
+
+class Stack:
+    """The model's decoder as the loop computes it: embedding, layers (weights joined, LoRA applied by the
+    loop), final norm, rotary embedding and LM head, and the per-layer math every path shares."""
+
+    def __init__(self, lm: Any, *, fuse_lora: bool, join_projections: bool, compile_ops: bool) -> None:
+        cfg = lm.config
+        self.embed, self.norm, self.rotary = lm.model.embed_tokens, norm_of(lm.model.norm), lm.model.rotary_emb
+        self.head = lm.lm_head
+        self.dtype = self.embed.weight.dtype
+        self.device = self.embed.weight.device
+        # Residual adds with the norms after them, rotary, SiLU x up: one compiled kernel each (bf16/fp16 on a GPU).
+        compiled = compile_ops and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+        self.ops = Ops(compiled)
+        # fuse_lora=False keeps PEFT's float32 LoRA arithmetic in bf16/fp16 models too (slower; for comparisons).
+        # join_projections=False runs q/k/v and gate/up as separate matmuls (for comparisons).
+        layers = lm.model.layers[: cfg.num_hidden_layers]
+        self.layers = [Layer(layer, self.dtype, fuse_lora, join_projections) for layer in layers]
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head (grouped-query attention)."""
+        return self.heads // self.kv_heads
+
+    def next_norm(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The norm after layer i: the next layer's input norm, or the model's final one."""
+        return self.layers[i + 1].norm1 if i + 1 < len(self.layers) else self.norm
+
+    def qkv(
+        self,
+        layer: Layer,
+        x: torch.Tensor,
+        masks: Masks,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        dense: Dense = NO_DENSE,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, heads, T, D) queries and (rows, kv_heads, T, D) keys/values of the normed input `x`, rotary
+        applied as HF applies it."""
+        rows, width = x.shape[:2]
+        (q, k, v), joint = layer.qkv(x, masks, dense[0])
+        v = v.reshape(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        # Rotary on queries and keys together (half the kernels): adjacent in the joint output, they need no
+        # concatenation.
+        qk_width = (self.heads + self.kv_heads) * self.head_dim
+        qk = joint[..., :qk_width] if joint is not None else torch.cat((q, k), dim=-1)
+        qk = qk.view(rows, width, self.heads + self.kv_heads, self.head_dim).transpose(1, 2)
+        qk = self.ops.rope(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+        return qk[:, : self.heads], qk[:, self.heads :], v
+
+    def rest(
+        self,
+        layer: Layer,
+        h: torch.Tensor,
+        attn: torch.Tensor,
+        masks: Masks,
+        next_norm: Callable[[torch.Tensor], torch.Tensor],
+        dense: Dense = NO_DENSE,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after attention -- output projection and residual, the MLP and its residual -- and the
+        next norm's output (each residual add fused with the norm after it)."""
+        h, x = self.ops.add_norm(h, layer.o(attn, masks, dense[1]), layer.norm2)
+        (gate, up), _ = layer.gate_up(x, masks, dense[2])
+        return self.ops.add_norm(h, layer.down(self.ops.act_mul(layer.act, gate, up), masks, dense[3]), next_norm)
