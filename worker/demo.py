@@ -110,9 +110,13 @@ def cascade_rows(figures: dict) -> list[tuple[str, str]]:
             f"{SCREEN} calibration",
             f"ECE {fit['ece_before']:.3f} -> {fit['ece_after']:.3f} on the fitting split, "
             f"{chk['ece_before']:.3f} -> {chk['ece_after']:.3f} on a second split ({chk['items']} cases, "
-            f"not fitted on); {cal['method']}, T = {cal['temperature']:.2f}",
+            f"not fitted on); {cal['method']}{_temperature(cal)}",
         ),
     ]
+
+
+def _temperature(cal: dict) -> str:
+    return f", T = {cal['temperature']:.2f}" if cal["method"] == "temperature" else ""
 
 
 def answers_row(results: Path) -> tuple[str, str]:
