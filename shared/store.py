@@ -207,34 +207,54 @@ def record_result(redis: Redis, keys: Keys, result: Result, *, counter: str | No
     Final results go to the results hash (one per item, ever); a non-final (escalated) Laya result
     goes to the steps hash. `counter` defaults to finished/failed/cancelled from the result itself.
     """
-    if result.batch is None:
+    (outcome,) = record_results(redis, keys, [result], counter=counter)
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def record_results(
+    redis: Redis, keys: Keys, results: list[Result], *, counter: str | None = None
+) -> list[bool | Exception | None]:
+    """`record_result` for many results in one round trip (a pipeline of the same script): per result True,
+    False, None as there, or the error Redis answered for that one (a batch key of the wrong type)."""
+    if any(r.batch is None for r in results):
         raise ValueError("a result must name its batch")
-    if counter is None:
-        counter = _counter_for(result)
     script = redis.register_script(_RECORD_LUA)
-    first = script(
-        keys=[
-            keys.batch_results(result.batch),
-            keys.batch(result.batch),
-            keys.batch_running(result.batch),
-            keys.batch_steps(result.batch),
-            keys.batch_item_set(result.batch),
-            keys.outbox(),
-            keys.batch_submits(result.batch),
-        ],
-        args=[
-            result.custom_id,
-            result.to_json(),
-            counter,
-            repr(time.time()),
-            result.job_id,
-            "1" if result.final else "0",
-            "1" if result.escalated_from or result.not_escalated else "0",
-            result.batch,
-            keys.events(),
-        ],
-    )
-    return None if first == -1 else bool(first)
+    now = repr(time.time())
+    with redis.pipeline(transaction=False) as pipe:
+        for result in results:
+            script(
+                keys=_record_keys(keys, result.batch or ""), args=_record_args(keys, result, counter, now), client=pipe
+            )
+        answers = pipe.execute(raise_on_error=False)
+    return [a if isinstance(a, Exception) else (None if a == -1 else bool(a)) for a in answers]
+
+
+def _record_keys(keys: Keys, batch: str) -> list[str]:
+    return [
+        keys.batch_results(batch),
+        keys.batch(batch),
+        keys.batch_running(batch),
+        keys.batch_steps(batch),
+        keys.batch_item_set(batch),
+        keys.outbox(),
+        keys.batch_submits(batch),
+    ]
+
+
+def _record_args(keys: Keys, result: Result, counter: str | None, now: str) -> list[str]:
+    return [
+        result.custom_id,
+        result.to_json().decode(),
+        counter or _counter_for(result),
+        now,
+        result.job_id,
+        "1" if result.final else "0",
+        "1" if result.escalated_from or result.not_escalated else "0",
+        result.batch or "",
+        keys.events(),
+    ]
 
 
 def notify_if_done(redis: Redis, keys: Keys, batch: str) -> bool:

@@ -65,7 +65,7 @@ def test_rq_tools_agree_suspend_pauses_and_rq_info_counts(client: Client, redis:
     thread = threading.Thread(target=worker.work)
     thread.start()
     try:
-        wait_until(worker.ready.is_set, 30)
+        wait_until(worker.ready.is_set, 120)
         import time
 
         time.sleep(1.5)
@@ -73,7 +73,7 @@ def test_rq_tools_agree_suspend_pauses_and_rq_info_counts(client: Client, redis:
         (info,) = SimpleWorker.all(connection=redis)
         assert info.name == "rq1" and info.get_state() == "idle"
         resume(redis)
-        wait_until(lambda: client.status(handle.id).complete, 30)
+        wait_until(lambda: client.status(handle.id).complete, 120)
         (info,) = SimpleWorker.all(connection=redis)
         assert info.successful_job_count == 3 and info.failed_job_count == 0
     finally:

@@ -36,7 +36,7 @@ def test_concurrent_resubmits_count_and_enqueue_each_item_once(client: Client, r
     def resubmit() -> None:
         try:
             Client(redis=Redis(connection_pool=redis.connection_pool)).submit_batch(
-                jobs(2500), batch_id=first.id, escalate=False
+                jobs(1500), batch_id=first.id, escalate=False
             )
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
@@ -47,11 +47,11 @@ def test_concurrent_resubmits_count_and_enqueue_each_item_once(client: Client, r
     for t in threads:
         t.join()
     assert not errors
-    assert client.status(first.id).counts.total == 2500
-    assert queued(redis) == 2500
-    assert redis.llen(Keys().batch_items(first.id)) == 2500
+    assert client.status(first.id).counts.total == 1500
+    assert queued(redis) == 1500
+    assert redis.llen(Keys().batch_items(first.id)) == 1500
     drain(redis)
-    assert len(assert_each_item_answered_once(client, redis, first.id, 2500)) == 2500
+    assert len(assert_each_item_answered_once(client, redis, first.id, 1500)) == 1500
     assert client.status(first.id).complete
 
 
@@ -69,15 +69,15 @@ def test_a_submit_interrupted_part_way_then_resubmitted_counts_each_item_once(
 
     monkeypatch.setattr(Client, "_enqueue_chunk", dies_after_two_chunks)
     with pytest.raises(ConnectionError):
-        client.submit_batch(jobs(5000), batch_id="resume-me", escalate=False)
+        client.submit_batch(jobs(2500), batch_id="resume-me", escalate=False)
     assert client.status("resume-me").counts.total == 2000
     monkeypatch.setattr(Client, "_enqueue_chunk", real)
-    again = client.submit_batch(jobs(5000), batch_id="resume-me", escalate=False)
-    assert (again.enqueued, again.skipped) == (3000, 2000)
-    assert client.status("resume-me").counts.total == 5000
-    assert queued(redis) == 5000
+    again = client.submit_batch(jobs(2500), batch_id="resume-me", escalate=False)
+    assert (again.enqueued, again.skipped) == (500, 2000)
+    assert client.status("resume-me").counts.total == 2500
+    assert queued(redis) == 2500
     drain(redis)
-    assert_each_item_answered_once(client, redis, "resume-me", 5000)
+    assert_each_item_answered_once(client, redis, "resume-me", 2500)
 
 
 def test_resubmit_into_a_cancelled_batch_is_refused(client: Client, redis: Redis) -> None:

@@ -21,7 +21,7 @@ from shared.errors import BAD_PAYLOAD, CANCELLED, EXPIRED, WORKER_DIED, Validati
 from shared.job import Job
 from shared.keys import Keys
 from shared.result import Result
-from shared.store import BatchFlags, batch_flags, promote_step, record_result
+from shared.store import BatchFlags, batch_flags, promote_step, record_results
 from worker.config import ModelsConfig
 from worker.followups import escalates, follow_up
 from worker.outputs import RowOutput
@@ -233,16 +233,26 @@ class Settler:
             if row.job is not None and row.result is not None and row.result.escalated_to
         ]
         created = enqueue_absent(self.redis, self.queues, entries, self.enqueue, self.bridge.quarantine)
+        writes = [row for row in rows if row.result is not None and row.result.batch is not None]
+        outcomes = record_results(self.redis, self.keys, [row.result for row in writes if row.result])
         duplicates = 0
+        for row, outcome in zip(writes, outcomes, strict=True):
+            result = row.result
+            assert result is not None
+            if isinstance(outcome, redis.exceptions.ResponseError):
+                # A batch whose keys a hostile writer replaced: this result only is refused, never the worker.
+                self.bridge.quarantine.put(
+                    self.keys.batch(result.batch or ""), f"batch keys unusable: {outcome}", row.raw.id
+                )
+            elif isinstance(outcome, Exception):
+                raise outcome
+            elif outcome is None:
+                log.warning("job %s: %r is not an item of batch %s", row.raw.id, result.custom_id, result.batch)
+            elif not outcome and result.final:
+                duplicates += 1  # a second final answer was refused: counted, so tests and operators see it
         by_model: dict[str, list[tuple[str, str | None]]] = {}
         for row in rows:
             result = row.result
-            if result is not None and result.batch is not None:
-                first = self._record(row, result)
-                if first is None:
-                    log.warning("job %s: %r is not an item of batch %s", row.raw.id, result.custom_id, result.batch)
-                elif not first and result.final:
-                    duplicates += 1  # a second final answer was refused: counted, so tests and operators see it
             error = None if result is None or result.error is None else f"{result.error.type}: {result.error.message}"
             by_model.setdefault(row.model, []).append((row.raw.id, error))
         if duplicates:
@@ -250,15 +260,6 @@ class Settler:
         for model, done in by_model.items():
             self.bridge.finish(model, done, ttl_s=ttl_s)
         return Written(created, duplicates)
-
-    def _record(self, row: Row, result: Result) -> bool | None:
-        """record_result, but a batch whose keys a hostile writer replaced with other types costs only this
-        result (quarantined), never the worker."""
-        try:
-            return record_result(self.redis, self.keys, result)
-        except redis.exceptions.ResponseError as exc:
-            self.bridge.quarantine.put(self.keys.batch(result.batch or ""), f"batch keys unusable: {exc}", row.raw.id)
-            return None
 
 
 def dead_letter(settler: Settler, rows: Sequence[Row]) -> list[Row]:
