@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from shared.job import Job
-from shared.models import ESCALATES_TO
+from shared.models import MODEL_DEFAULTS
 from worker import cascade, plots
 from worker.calibration import Calibration, fit, reliability
 from worker.config import ModelsConfig
@@ -28,7 +28,7 @@ from worker.engine import Engine
 from worker.outputs import RowOutput
 
 # The screening model and the one it escalates to (Laya -> Kev): models are data, not names in code.
-SCREEN, EXPERT = next(iter(ESCALATES_TO.items()))
+SCREEN, EXPERT = next((name, d.escalates_to) for name, d in MODEL_DEFAULTS.items() if d.escalates_to)
 MAX_CHOICES = 32
 
 
