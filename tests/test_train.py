@@ -149,3 +149,20 @@ def test_bad_training_data_names_the_line(tiny_models: Path, tmp_path: Path) -> 
     ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code != 0 and "line 2" in result.output
+
+
+def test_targets_end_with_the_serving_stop_and_a_pad_exists(tiny_models: Path) -> None:
+    """Training ends every target with the config's first stop string (what serving stops on), not a
+    hard-coded `<|im_end|>`; a stop that is not one token is refused."""
+    from transformers import AutoTokenizer
+
+    from shared.errors import ConfigError
+
+    tok = AutoTokenizer.from_pretrained(tiny_models / "base")
+    spec = tiny_config(tiny_models, "none").models["laya"]
+    report = TrainReport(model="laya", device="cpu")
+    for stop in ("<|endoftext|>", "<|im_end|>"):
+        (sample,) = encode([{"prompt": "p", "laya": "approve"}], tok, spec, quick(), report, stop=stop)
+        assert sample.ids[-1] == tok.convert_tokens_to_ids(stop) and sample.labels[-1] == sample.ids[-1]
+    with pytest.raises(ConfigError, match="training needs one"):
+        encode([{"prompt": "p", "laya": "approve"}], tok, spec, quick(), report, stop="END OF ANSWER")

@@ -428,7 +428,8 @@ class Engine:
                     out[i] = self._item(first_index + i, jobs[i], pieces)
                 except JobFailure as failure:
                     out[i] = failure
-        return [o for o in out if o is not None]
+        # Index-aligned, always: a job nothing was made for fails in its own place rather than shifting the rest.
+        return [o if o is not None else JobFailure(INTERNAL, "the job's prompt was not encoded") for o in out]
 
     def _item(self, index: int, job: Job, pieces: Pieces) -> _Item:
         """A job's encoded row: its prompt within the model's input limit (cut only where the job allows)."""

@@ -35,17 +35,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from shared.errors import ConfigError, ValidationError
 from shared.job import Job
+from shared.models import defaults_for
 from worker.config import ModelsConfig
 from worker.loading import torch_dtype
 from worker.templates import prompt_pieces
 
 log = logging.getLogger("kevlaya.train")
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# The seed's table (section 8.2): Kev needs more low-rank capacity for its longer, structured answers.
-SEED_TABLE: dict[str, dict[str, Any]] = {
-    "kev": {"rank": 16, "alpha": 32, "lr": 1e-4},
-    "laya": {"rank": 8, "alpha": 16, "lr": 2e-4},
-}
 LossHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 
@@ -72,7 +68,19 @@ class TrainSettings:
 
     @classmethod
     def for_model(cls, model: str, **overrides: Any) -> TrainSettings:
-        return cls(**{**SEED_TABLE[model], **{k: v for k, v in overrides.items() if v is not None}})
+        """The model's training defaults (shared/models.py: the seed's table, Kev rank 16 / Laya rank 8),
+        with any override given."""
+        d = defaults_for(model)
+        table = {"rank": d.lora_rank, "alpha": d.lora_alpha, "lr": d.learning_rate}
+        return cls(**{**table, **{k: v for k, v in overrides.items() if v is not None}})
+
+
+def stop_token_id(tokenizer: Any, stop: str) -> int:
+    """The single token the stop string is; ConfigError if the tokenizer does not have it as one token."""
+    ids = tokenizer(stop, add_special_tokens=False).input_ids
+    if len(ids) != 1:
+        raise ConfigError(f"stop string {stop!r} is {len(ids)} tokens for this tokenizer; training needs one")
+    return ids[0]
 
 
 @dataclass(frozen=True)
@@ -122,10 +130,17 @@ def read_rows(path: Path, model: str) -> list[dict[str, Any]]:
 
 
 def encode(
-    rows: list[dict[str, Any]], tokenizer: Any, spec: Any, settings: TrainSettings, report: TrainReport
+    rows: list[dict[str, Any]],
+    tokenizer: Any,
+    spec: Any,
+    settings: TrainSettings,
+    report: TrainReport,
+    *,
+    stop: str = "<|im_end|>",
 ) -> list[Sample]:
-    """Prompt (no loss) + target + end token (loss); overlong samples dropped or truncated, and counted."""
-    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    """Prompt (no loss) + target + stop token (loss); overlong samples dropped or truncated, and counted.
+    The stop is the serving config's first stop string, so the adapter learns the end serving looks for."""
+    end_id = stop_token_id(tokenizer, stop)
     samples = []
     for row in rows:
         job = Job(custom_id="t", model=spec.name, prompt=row.get("prompt"), input=row.get("input"))
@@ -242,7 +257,9 @@ def train_adapter(
     spec = config.models[model]
     rows = read_rows(data, model)
     report.samples_in = len(rows)
-    samples = encode(rows, tokenizer, spec, settings, report)
+    samples = encode(rows, tokenizer, spec, settings, report, stop=config.stop_strings[0])
+    if tokenizer.pad_token_id is None:  # a base without one: padding must be a token it has (masked anyway)
+        tokenizer.pad_token = config.stop_strings[0]
     if not samples:
         raise ConfigError(f"no sample of {data} fits max_length={settings.max_length}")
     report.categories_before = counts(samples)
@@ -420,4 +437,4 @@ def train_models(
     return reports
 
 
-__all__ = ["SEED_TABLE", "TrainReport", "TrainSettings", "rebalance", "train_adapter", "train_models"]
+__all__ = ["TrainReport", "TrainSettings", "rebalance", "train_adapter", "train_models"]
