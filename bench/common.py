@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from worker.tinymodel import SHAPES, build_model_set
+from worker.tools.tinymodel import SHAPES, build_model_set
 
 CACHE = Path(__file__).resolve().parent.parent / ".kevlaya" / "bench-models"
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import append_results, save_json, write_config
-from worker.embedded_redis import EmbeddedRedis
+from worker.tools.embedded_redis import EmbeddedRedis
 
 WORDS = tuple(
     "loan income debt ratio history clean late payments amount requested category personal car home business "

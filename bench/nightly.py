@@ -41,12 +41,12 @@ from producer.client import Client
 from shared.job import Job
 from shared.serializer import serializer
 from worker.config import load_config
-from worker.demo import prepare_models
-from worker.embedded_redis import EmbeddedRedis
 from worker.engine import Engine
 from worker.loop import BatchWorker
 from worker.memory import MIB, parse_bytes
 from worker.settings import WorkerSettings
+from worker.tools.demo import prepare_models
+from worker.tools.embedded_redis import EmbeddedRedis
 
 WORDS = tuple(
     "loan income debt ratio history clean late payments amount requested category personal car home business "

@@ -27,10 +27,10 @@ from typing import Any
 from redis import Redis
 
 from producer.client import Client
-from worker.demo import prepare_models
-from worker.demo_data import demo_jobs
-from worker.embedded_redis import EmbeddedRedis
 from worker.recovery import max_crashes
+from worker.tools.demo import prepare_models
+from worker.tools.demo_data import demo_jobs
+from worker.tools.embedded_redis import EmbeddedRedis
 
 CLI = [sys.executable, "-c", "from producer.cli import main; main()"]
 DEMO = Path(__file__).resolve().parent.parent / ".kevlaya" / "demo"

@@ -35,7 +35,7 @@ from redis import Redis
 
 from producer.client import Client
 from shared.keys import Keys
-from worker.embedded_redis import EmbeddedRedis
+from worker.tools.embedded_redis import EmbeddedRedis
 
 CACHE = Path(__file__).resolve().parent.parent / ".kevlaya" / "soak-models"
 CLI = [sys.executable, "-c", "from producer.cli import main; main()"]
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default="bench/out")
     parser.add_argument("--no-results-row", action="store_true")
     args = parser.parse_args(argv)
-    from worker.tinymodel import build_tiny_set
+    from worker.tools.tinymodel import build_tiny_set
 
     config = build_tiny_set(CACHE, quantization="none")
     lo, hi = (float(x) for x in args.faults_every.split(","))

@@ -12,7 +12,7 @@ import pytest
 from redis import Redis
 
 from producer.client import Client
-from worker.embedded_redis import EmbeddedRedis
+from worker.tools.embedded_redis import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +45,7 @@ MODEL_CACHE = Path(__file__).resolve().parent.parent / ".kevlaya" / "test-models
 @pytest.fixture(scope="session")
 def tiny_models() -> Path:
     """Tiny Qwen2 base + Kev/Laya adapters (random weights), built once and cached under .kevlaya/."""
-    from worker.tinymodel import build_tiny_set
+    from worker.tools.tinymodel import build_tiny_set
 
     return build_tiny_set(MODEL_CACHE / "tiny").parent
 
@@ -53,7 +53,7 @@ def tiny_models() -> Path:
 def tiny_config(root: Path, quantization: str = "nf4", **kw: int):
     """A models config over the cached tiny models, written beside them for the given quantisation."""
     from worker.config import load_config
-    from worker.tinymodel import tiny_toml
+    from worker.tools.tinymodel import tiny_toml
 
     path = root / f"models-{quantization}.toml"
     path.write_text(tiny_toml(quantization=quantization, **kw))

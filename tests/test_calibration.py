@@ -24,8 +24,8 @@ from worker.calibration import (
     fit_temperature,
 )
 from worker.config import load_config
-from worker.config_write import set_key, write_table
 from worker.outputs import RowOutput
+from worker.tools.config_write import set_key, write_table
 
 
 def _sigmoid(x: float) -> float:

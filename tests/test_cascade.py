@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from worker import cascade
 from worker.config import EscalationRule
+from worker.tools import cascade
 
 
 def items(n: int = 500, *, seed: int = 0) -> list[cascade.Item]:

@@ -9,7 +9,7 @@ import pytest
 from shared.errors import ConfigError
 from worker.config import load_config
 from worker.engine import Engine
-from worker.tinymodel import TinyShape, build_adapter, build_base
+from worker.tools.tinymodel import TinyShape, build_adapter, build_base
 
 
 def write(tmp_path: Path, text: str) -> Path:

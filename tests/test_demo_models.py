@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from producer.cli import cli
 from worker.config import load_config
-from worker.demo_models import build_demo_models
+from worker.tools.demo_models import build_demo_models
 
 
 def test_small_demo_models_build_and_evaluate(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from redis import Redis
 
 from producer.client import Client
 from shared.errors import EXIT_INCOMPLETE, EXIT_REDIS, EXIT_USAGE, WaitTimeoutError
-from worker.embedded_redis import free_port
+from worker.tools.embedded_redis import free_port
 
 CLI = [sys.executable, "-c", "from producer.cli import main; main()"]
 

@@ -21,7 +21,7 @@ from tests.conftest import tiny_config
 from worker.engine import Engine
 from worker.fastpath import ROW_BUCKETS, DecodeRow, length_bucket, row_bucket, unsupported_reason
 from worker.memory import GIB, MIB, RESERVE_BYTES, ModelShape, plan_batch
-from worker.tinymodel import QWEN25_1_5B
+from worker.tools.tinymodel import QWEN25_1_5B
 
 PROMPTS = ["Approve a loan of 12000?", "Income 52000, debt low.", "不确定的情况", "x", "Step 1: check income " * 7]
 

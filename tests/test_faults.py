@@ -25,12 +25,12 @@ from shared.keys import Keys, job_id
 from tests.conftest import tiny_config
 from tests.tcp_proxy import DropProxy
 from tests.worker_helpers import assert_each_item_answered_once, spawn_worker, wait_until
-from worker.embedded_redis import EmbeddedRedis
 from worker.engine import Engine
 from worker.faults import CRASH_EXIT_CODE
 from worker.loop import BatchWorker
 from worker.recovery import max_crashes
 from worker.settings import WorkerSettings
+from worker.tools.embedded_redis import EmbeddedRedis
 
 FAST = ["--job-heartbeat-ttl-s", "2", "--max-batch-rows", "25"]
 

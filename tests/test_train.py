@@ -17,7 +17,7 @@ from shared.job import Job
 from tests.conftest import tiny_config
 from worker.config import load_config
 from worker.engine import Engine
-from worker.train import Sample, TrainReport, TrainSettings, encode, rebalance, train_adapter
+from worker.tools.train import Sample, TrainReport, TrainSettings, encode, rebalance, train_adapter
 
 
 def write_data(path: Path, n: int = 24, *, long_every: int = 0) -> Path:

@@ -136,7 +136,7 @@ def worker_command(
 def memory_command(config_path: str, memory_budget: str, device: str | None) -> None:
     """Print the seed's memory table (after 4-bit load, after adapters, inference at 512/1024 tokens)
     and the batch plan: measured on a GPU, estimated on CPU (the output says which)."""
-    from worker.memory_report import memory_table
+    from worker.tools.memory_report import memory_table
 
     try:
         click.echo(memory_table(config_path, budget_bytes=parse_bytes(memory_budget), device=device))
@@ -150,7 +150,7 @@ def memory_command(config_path: str, memory_budget: str, device: str | None) -> 
 @click.pass_context
 def demo_command(ctx: click.Context, out: str, items: int) -> None:
     """End to end on embedded defaults: Redis (started if none), demo models, submit, drain, summary."""
-    from worker.demo import run_demo
+    from worker.tools.demo import run_demo
 
     _setup_logging("warning")
     run_demo(Path(out), items=items, redis_url=(ctx.obj or {}).get("redis_url"))
@@ -161,7 +161,7 @@ def demo_command(ctx: click.Context, out: str, items: int) -> None:
 def demo_models_command(out: str) -> None:
     """Build (or reuse) the demo models -- a tiny base trained on a synthetic loan-triage task, Kev and Laya
     adapters trained with `kevlaya train` -- and write OUT/models.toml (plus train/held-out JSONL)."""
-    from worker.demo import prepare_models
+    from worker.tools.demo import prepare_models
 
     _setup_logging("info")
     click.echo(str(prepare_models(Path(out))))
@@ -201,7 +201,7 @@ def train_command(
     """Train LoRA adapters with the seed's recipe (QLoRA on CUDA, plain LoRA on CPU). JSONL lines need
     `prompt` (or `input`), a target under `kev`/`laya` (or `target`), and optionally `category`."""
     from worker.config import load_config
-    from worker.train import train_models
+    from worker.tools.train import train_models
 
     _setup_logging("info")
     overrides = {
@@ -264,9 +264,9 @@ def eval_command(
     import orjson
 
     from worker.config import load_config
-    from worker.config_write import set_key
     from worker.engine import Engine
-    from worker.evaluate import SCREEN, evaluate
+    from worker.tools.config_write import set_key
+    from worker.tools.evaluate import SCREEN, evaluate
 
     if target_escalation is not None and target_accuracy is not None:
         raise click.UsageError("give --target-escalation or --target-accuracy, not both")
@@ -298,7 +298,7 @@ def eval_command(
 
 
 def _print_eval(report: dict, config_path: Path | None) -> None:
-    from worker.evaluate import EXPERT, SCREEN
+    from worker.tools.evaluate import EXPERT, SCREEN
 
     c, cal = report["cascade"], report["calibration"]
     click.echo(f"held-out items      {report['items']}")
@@ -367,9 +367,9 @@ def calibrate_command(
     import orjson
 
     from worker.config import load_config
-    from worker.config_write import write_table
     from worker.engine import Engine
-    from worker.evaluate import calibrate, check, reliability_pngs, uncalibrated
+    from worker.tools.config_write import write_table
+    from worker.tools.evaluate import calibrate, check, reliability_pngs, uncalibrated
 
     _setup_logging("warning")
     try:

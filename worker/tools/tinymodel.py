@@ -156,7 +156,7 @@ def build_tiny_set(root: Path, *, quantization: str = "nf4", seed: int = 0, extr
 
 
 def tiny_toml(*, quantization: str = "nf4", kev_new: int = 48, laya_new: int = 12) -> str:
-    return f"""# Tiny random-weight models for tests and the demo (built by worker.tinymodel).
+    return f"""# Tiny random-weight models for tests and the demo (built by worker.tools.tinymodel).
 [base]
 path = "base"
 quantization = "{quantization}"

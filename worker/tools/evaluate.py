@@ -2,7 +2,7 @@
 
 eval: accuracy of the screening model (Laya) alone, the expert (Kev) alone and the cascade; Laya's
 calibration (ECE of the raw and the served confidence, reliability PNGs); the accuracy / escalation-rate
-curve over thresholds (PNG), and the threshold that meets a target (worker.cascade).
+curve over thresholds (PNG), and the threshold that meets a target (worker.tools.cascade).
 calibrate: Laya's raw confidences against correctness, fitted (worker.calibration) and written into the
 models config under `[models.NAME.calibration]`.
 
@@ -21,11 +21,11 @@ import orjson
 
 from shared.job import Job
 from shared.models import MODEL_DEFAULTS
-from worker import cascade, plots
 from worker.calibration import Calibration, fit, reliability
 from worker.config import ModelsConfig
 from worker.engine import Engine
 from worker.outputs import RowOutput
+from worker.tools import cascade, plots
 
 # The screening model and the one it escalates to (Laya -> Kev): models are data, not names in code.
 SCREEN, EXPERT = next((name, d.escalates_to) for name, d in MODEL_DEFAULTS.items() if d.escalates_to)

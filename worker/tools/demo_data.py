@@ -14,7 +14,7 @@ The task is built so that thinking in steps genuinely helps:
   0), then the label of the final score. Every step is a copy or a small lookup, and the hard records
   cost Kev no more than the easy ones.
 
-`python -m worker.demo_data > worker/data/demo_decisions.jsonl` regenerates the bundled file.
+`python -m worker.tools.demo_data > worker/data/demo_decisions.jsonl` regenerates the bundled file.
 """
 
 from __future__ import annotations

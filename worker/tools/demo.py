@@ -24,14 +24,14 @@ from producer.jsonl import parse_lines
 from shared.conn import redacted
 from shared.conn import redis_url as resolve_url
 from worker.config import load_config
-from worker.demo_models import build_demo_models
-from worker.embedded_redis import EmbeddedRedis
 from worker.engine import Engine
-from worker.evaluate import EXPERT, SCREEN
 from worker.loop import BatchWorker
 from worker.settings import WorkerSettings
+from worker.tools.demo_models import build_demo_models
+from worker.tools.embedded_redis import EmbeddedRedis
+from worker.tools.evaluate import EXPERT, SCREEN
 
-DEMO_DATA = Path(__file__).resolve().parent / "data" / "demo_decisions.jsonl"
+DEMO_DATA = Path(__file__).resolve().parent.parent / "data" / "demo_decisions.jsonl"
 
 
 def prepare_models(out: Path) -> Path:

@@ -1,9 +1,9 @@
 """`kevlaya demo-models`: real demo models, built here because nothing can be downloaded.
 
-1. a synthetic loan-triage task (worker.demo_data): train and held-out splits;
+1. a synthetic loan-triage task (worker.tools.demo_data): train and held-out splits;
 2. a byte-level BPE tokenizer with single-digit number tokens (numbers compare digit by digit);
 3. a tiny Qwen2 base trained briefly on the task's plain text (no chat format: that is the adapters' job);
-4. Kev and Laya adapters trained with `kevlaya train` (worker.train) on the chat-formatted task;
+4. Kev and Laya adapters trained with `kevlaya train` (worker.tools.train) on the chat-formatted task;
 5. DIR/models.toml, then Laya's calibration fitted on the held-out split (`kevlaya calibrate`), checked
    on a second held-out split not used for fitting, and the escalation threshold picked for a 25%
    escalation budget (`kevlaya eval --target-escalation 0.25 --write-threshold`); the figures go to
@@ -24,12 +24,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from worker.config import load_config
-from worker.config_write import set_key, write_table
-from worker.demo_data import training_rows
 from worker.engine import Engine
-from worker.evaluate import EXPERT, SCREEN, calibrate, check, evaluate, uncalibrated
-from worker.tinymodel import SPECIAL_TOKENS
-from worker.train import train_models
+from worker.tools.config_write import set_key, write_table
+from worker.tools.demo_data import training_rows
+from worker.tools.evaluate import EXPERT, SCREEN, calibrate, check, evaluate, uncalibrated
+from worker.tools.tinymodel import SPECIAL_TOKENS
+from worker.tools.train import train_models
 
 log = logging.getLogger("kevlaya.demo_models")
 VERSION = 7
@@ -206,7 +206,7 @@ def _pretrain_base(out: Path, tokenizer: PreTrainedTokenizerFast, rows: list[dic
 def _toml(*, adapters: bool = False) -> str:
     kev_adapter = 'adapter = "adapters/kev"\n' if adapters else ""
     laya_adapter = 'adapter = "adapters/laya"\n' if adapters else ""
-    return f"""# Demo models built by `kevlaya demo-models` (worker/demo_models.py): a tiny Qwen2 base trained on a
+    return f"""# Demo models built by `kevlaya demo-models`: a tiny Qwen2 base trained on a
 # synthetic loan-triage task, with Kev and Laya LoRA adapters trained by `kevlaya train`.
 [base]
 path = "base"
