@@ -64,7 +64,7 @@ class AsyncClient:
                 return record
             if deadline is not None and time.monotonic() >= deadline:
                 c = record.counts
-                raise WaitTimeoutError(f"batch {batch}: {c.done}/{c.total} done after {timeout_s} s; still running")
+                raise WaitTimeoutError.for_batch(batch, c.done, c.total, timeout_s)
             await asyncio.sleep(poll_s)
 
     async def aclose(self) -> None:

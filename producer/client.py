@@ -279,7 +279,7 @@ class Client:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     c = record.counts
-                    raise WaitTimeoutError(f"batch {batch}: {c.done}/{c.total} done after {timeout_s} s; still running")
+                    raise WaitTimeoutError.for_batch(batch, c.done, c.total, timeout_s)
                 events.get_message(timeout=poll_s if left is None else min(poll_s, left))
 
     def workers_seen(self, within_s: float = 60.0) -> int:

@@ -98,6 +98,10 @@ class WorkerNameTakenError(KevlayaError):
 class WaitTimeoutError(KevlayaError):
     """A wait for a batch ended at its timeout with items still pending."""
 
+    @classmethod
+    def for_batch(cls, batch: str, done: int, total: int, timeout_s: float | None) -> WaitTimeoutError:
+        return cls(f"batch {batch}: {done}/{total} done after {timeout_s} s; still running")
+
 
 class RedisUnavailableError(KevlayaError):
     """Redis cannot be reached, or refused our credentials or permissions."""

@@ -449,19 +449,35 @@ class Engine:
         return _Item(index=index, job=job, ids=ids, max_new=max_new, adapter=base.adapters[job.model])
 
     # ---- generation -------------------------------------------------------------------------
+    def _on_static_loop(
+        self,
+        items: list[_Item],
+        run: Callable[[StaticDecoder, list[_Item]], list[RowOutput]],
+        *,
+        what: str,
+        fallback: str,
+    ) -> list[RowOutput] | None:
+        """`run` on the base's static loop; None when the base has none, or when the loop failed -- a capture the
+        device refused, a kernel it cannot run: never lose the batch over it -- in which case the loop is
+        released and the base uses `fallback` from then on."""
+        base = self.config.models[items[0].job.model].base
+        decoder = self.decoders.get(base)
+        if decoder is None:
+            return None
+        try:
+            return run(decoder, items)
+        except torch.OutOfMemoryError:
+            raise  # _guarded splits the batch
+        except RuntimeError:
+            log.exception("%s: the static loop failed for base %s; %s from now on", what, base, fallback)
+            decoder.release()
+            del self.decoders[base]
+            return None
+
     def _generate(self, items: list[_Item]) -> list[RowOutput]:
-        spec = self.config.models[items[0].job.model]
-        decoder = self.decoders.get(spec.base)
-        if decoder is not None:
-            try:
-                return self._generate_static(decoder, items)
-            except torch.OutOfMemoryError:
-                raise  # _guarded splits the batch
-            except RuntimeError:
-                # A capture the device refused (or a kernel the loop cannot run): never lose the batch over it.
-                log.exception("decode: the static loop failed for base %s; HF generate from now on", spec.base)
-                decoder.release()
-                del self.decoders[spec.base]
+        done = self._on_static_loop(items, self._generate_static, what="decode", fallback="HF generate")
+        if done is not None:
+            return done
         # HF generate samples the whole batch one way: one call per sampling setting (a batch grouped for the
         # static loop, which samples per row, may mix them).
         by_params: dict[tuple[Any, ...], list[int]] = defaultdict(list)
@@ -595,18 +611,8 @@ class Engine:
     def _score(self, items: list[_Item]) -> list[RowOutput]:
         """Each choice's log-likelihood (its tokens + end-of-answer) after the prompt: on the static loop (the
         prompt encoded once, each choice against its cached K/V), else one padded HF forward pass."""
-        spec = self.config.models[items[0].job.model]
-        decoder = self.decoders.get(spec.base)
-        if decoder is not None:
-            try:
-                return self._score_static(decoder, items)
-            except torch.OutOfMemoryError:
-                raise  # _guarded splits the batch
-            except RuntimeError:
-                log.exception("scoring: the static loop failed for base %s; HF forward passes from now on", spec.base)
-                decoder.release()
-                del self.decoders[spec.base]
-        return self._score_eager(items)
+        done = self._on_static_loop(items, self._score_static, what="scoring", fallback="HF forward passes")
+        return done if done is not None else self._score_eager(items)
 
     def _score_static(self, decoder: StaticDecoder, items: list[_Item]) -> list[RowOutput]:
         base = self.base_for(items[0].job.model)
