@@ -34,9 +34,10 @@ def setup_logging(level: str) -> None:
 )
 @click.option(
     "--max-wait-ms",
-    default=2000,
+    default=10000,
     show_default=True,
-    help="Switch models once the other queue's oldest job waited this long.",
+    help="Switch models once the other queue's oldest job waited this long (sooner when it holds a full take). "
+    "Every switch breaks a batch: lower it for latency, raise it for throughput.",
 )
 @click.option("--max-batch-rows", default=256, show_default=True, help="Upper bound on rows per batch.")
 @click.option("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available).")

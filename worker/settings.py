@@ -15,7 +15,7 @@ from shared.store import DEFAULT_BATCH_TTL_S
 @dataclass(frozen=True, kw_only=True)
 class WorkerSettings:
     burst: bool = False
-    max_wait_ms: int = 2000
+    max_wait_ms: int = 10000
     heartbeat_interval_s: float = 3.0
     job_heartbeat_ttl_s: float = 20.0
     worker_ttl_s: int = 20
