@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.errors import INPUT_TOO_LONG, NON_FINITE_LOGITS, OUT_OF_MEMORY, JobFailure
+from shared.errors import INPUT_TOO_LONG, INTERNAL, NON_FINITE_LOGITS, OUT_OF_MEMORY, JobFailure
 from shared.job import Job, Parent
 from tests.conftest import tiny_config
 from worker.engine import Engine
@@ -192,6 +192,33 @@ def test_jobs_encoded_together_give_what_each_gives_alone(engine: Engine) -> Non
     got[0][0][0].append(-1)  # a caller cutting its pieces does not change the cached literal ids
     first_literal = prompt_pieces_many(tok, requests[:1])[0][0]
     assert -1 not in first_literal[0]
+
+
+def test_a_job_nothing_was_encoded_for_fails_in_its_own_place(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 15: encoding dropped a job it made nothing for, so the rows after it shifted into the wrong jobs'
+    places. Each job keeps its place; the one left without a row fails alone with `internal`."""
+    batch = [
+        Job(custom_id="a", model="kev", prompt=PROMPTS[0]),
+        Job(custom_id="lost", model="laya", prompt=PROMPTS[1]),
+        Job(custom_id="b", model="kev", prompt=PROMPTS[2]),
+        Job(custom_id="c", model="laya", prompt=PROMPTS[3]),
+    ]
+    make = engine.encoder._item
+    monkeypatch.setattr(
+        engine.encoder,
+        "_item",
+        lambda index, job, pieces: None if job.custom_id == "lost" else make(index, job, pieces),
+    )
+    encoded = engine.encoder.encode_many(batch)
+    assert [getattr(e, "job", None) for e in encoded] == [batch[0], None, batch[2], batch[3]]
+    assert [getattr(e, "index", None) for e in encoded] == [0, None, 2, 3]
+    assert isinstance(encoded[1], JobFailure) and encoded[1].type == INTERNAL
+    outputs = engine.run(batch)
+    monkeypatch.undo()
+    assert outputs[1].error is not None and outputs[1].error.type == INTERNAL
+    for got, want in zip([outputs[0], *outputs[2:]], engine.run([batch[0], *batch[2:]]), strict=True):
+        assert got.error is None
+        same(got, want)
 
 
 def test_non_finite_logits_fail_only_that_row(engine: Engine) -> None:
