@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # Decode tokens/s by batch size; "max" = the largest batch the memory plan allows for these rows.
     shape = engine.base_for("kev").shape
-    prompt_tokens = len(engine._encode(0, Job(custom_id="x", model="kev", prompt=prompt(0))).ids)
+    prompt_tokens = len(engine.encoder.encode(Job(custom_id="x", model="kev", prompt=prompt(0))).ids)
     plan = plan_batch(
         shape,
         budget_bytes=budget,
-        resident_bytes=engine.resident_bytes,
+        resident_bytes=engine.memory.resident_bytes,
         input_tokens=prompt_tokens,
         new_tokens=args.new_tokens,
         dtype_bytes=DTYPE_BYTES[config.bases["default"].compute_dtype],

@@ -48,9 +48,9 @@ class TokenRecorder(Engine):
         super().__init__(*args, **kwargs)
         self.tokens: dict[str, list[int]] = {}
 
-    def _row_output(self, base: Any, item: Any, tokens: torch.Tensor, *rest: Any) -> Any:
-        out = super()._row_output(base, item, tokens, *rest)
-        self.tokens[item.job.custom_id] = tokens[: out.completion_tokens].tolist()
+    def _row_output(self, call: Any, item: Any, decoded: Any, row: int) -> Any:
+        out = super()._row_output(call, item, decoded, row)
+        self.tokens[item.job.custom_id] = decoded.tokens[row][: out.completion_tokens].tolist()
         return out
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from worker.config import EscalationRule
-from worker.engine import decision_span
 from worker.escalation import escalation_reason
+from worker.outputs import decision_span
 
 # A fake tokeniser: each "token" is a string; decoding is concatenation.
 VOCAB = ["Step", " 1", ":", " check", "\n", "Decision", ":", " approve", "\n", "done", " re", "ject"]

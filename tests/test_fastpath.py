@@ -20,6 +20,7 @@ from shared.job import Job
 from tests.conftest import tiny_config
 from worker.engine import Engine
 from worker.fastpath import ROW_BUCKETS, DecodeRow, length_bucket, row_bucket, unsupported_reason
+from worker.loading import select_adapters, stop_ids
 from worker.memory import GIB, MIB, RESERVE_BYTES, ModelShape, plan_batch
 from worker.tools.tinymodel import QWEN25_1_5B
 
@@ -117,7 +118,7 @@ def test_rows_in_any_order_decode_as_when_sorted(pair: tuple[TokenRecorder, Toke
     try:
 
         def run(rows: list[DecodeRow]) -> torch.Tensor:
-            kw = {"stop_ids": static._stop_ids(base), "pad_id": base.tokenizer.pad_token_id}
+            kw = {"stop_ids": stop_ids(base, static.config.stop_strings), "pad_id": base.tokenizer.pad_token_id}
             return decoder.decode(rows, select=lambda names: static._adapters(base, names), **kw).tokens
 
         shuffled, ordered = run(rows), run([rows[i] for i in order])
@@ -303,7 +304,7 @@ def test_engine_plan_rounds_down_to_a_bucket(tiny_models: Path) -> None:
 def test_the_take_follows_the_prompt_lengths_last_seen(tiny_models: Path) -> None:
     """After a batch of long prompts the worker takes fewer rows, so its next take is not split in two."""
     engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static", memory_budget_bytes=GIB)
-    engine.memory_budget_bytes = engine.resident_bytes + RESERVE_BYTES + 48 * MIB  # a plan below the row cap
+    engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + 48 * MIB  # a plan below the row cap
     before = engine.capacity("kev")
     engine.run([Job(custom_id="long", model="kev", prompt="loan income debt " * 150, max_new_tokens=1)])
     longest = engine._longest_prompt["kev"]
@@ -315,7 +316,7 @@ def test_the_take_follows_the_prompt_lengths_last_seen(tiny_models: Path) -> Non
 
 def test_an_expected_follow_up_sizes_its_models_take(tiny_models: Path) -> None:
     engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static", memory_budget_bytes=GIB)
-    engine.memory_budget_bytes = engine.resident_bytes + RESERVE_BYTES + 48 * MIB  # a plan below the row cap
+    engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + 48 * MIB  # a plan below the row cap
     before = engine.capacity("kev")
     engine.expect(Job(custom_id="f", model="kev", prompt="loan income debt " * 150))
     assert engine._longest_prompt["kev"] > 256
@@ -474,7 +475,7 @@ def test_joined_projections_decode_token_for_token_as_separate_ones(tiny_models:
     for adapters in (["kev"], ["laya"], ["kev", "laya"]):
         ids = [base.tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(5)]
         rows = [DecodeRow(ids=r, max_new=6, adapter=adapters[i % len(adapters)]) for i, r in enumerate(ids)]
-        kw = {"stop_ids": [-1], "pad_id": base.tokenizer.pad_token_id, "select": lambda n: engine._adapters(base, n)}
+        kw = {"stop_ids": [-1], "pad_id": base.tokenizer.pad_token_id, "select": lambda n: select_adapters(base, n)}
         a, b = joint.decode(rows, **kw), separate.decode(rows, **kw)
         assert torch.equal(a.tokens, b.tokens)
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=0)

@@ -14,6 +14,7 @@ import torch
 from tests.conftest import tiny_config
 from worker.engine import Engine
 from worker.fastpath import DecodeRow
+from worker.loading import select_adapters
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +42,7 @@ def test_a_replayed_graph_reads_the_stop_ids_of_its_own_state(tiny_models: Path)
 
     def decode(stop: int) -> torch.Tensor:
         rows = [DecodeRow(ids=[5 + i, 6, 7, 8, 9], max_new=40, adapter=base.adapters["kev"]) for i in range(2)]
-        select = lambda names: engine._adapters(base, names)  # noqa: E731
+        select = lambda names: select_adapters(base, names)  # noqa: E731
         return decoder.decode(rows, stop_ids=[stop], pad_id=pad_id, select=select).tokens
 
     free = decode(decoder.stack.head.out_features + 7)[0].tolist()  # an id past the vocabulary: no stop

@@ -24,35 +24,35 @@ def test_no_plan_passes_a_small_budget(engine: Engine, spare_mib: int) -> None:
     """Across prompt and answer lengths, and for generation as for scoring (new tokens = choice tokens): the
     planned rows' KV and per-row costs, plus the prefill chunk reserved up front, stay inside the budget left
     after what is resident and the reserve."""
-    engine.memory_budget_bytes = engine.resident_bytes + RESERVE_BYTES + spare_mib * MIB
+    engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + spare_mib * MIB
     try:
         for model in ("kev", "laya"):
             for inputs in (1, 7, 64, 300, 512):
                 for new in (1, 12, 48, 200):
                     plan = engine.plan(model, input_tokens=inputs, new_tokens=new)
-                    left = engine.memory_budget_bytes - engine.resident_bytes - RESERVE_BYTES
+                    left = engine.memory.total_bytes - engine.memory.resident_bytes - RESERVE_BYTES
                     assert plan.free_bytes <= left
                     assert plan.max_rows * plan.bytes_per_row <= max(0, plan.free_bytes), (model, inputs, new)
             if spare_mib == 0:
                 assert engine.plan(model, input_tokens=64, new_tokens=12).max_rows == 0
     finally:
-        engine.memory_budget_bytes = None
+        engine.memory.total_bytes = None
 
 
 def test_memory_already_held_is_planned_around(engine: Engine) -> None:
     """What the allocator holds beyond the KV pool (graphs' pool, cached tensors: measured on CUDA) shrinks
     the plan by as much."""
-    engine.memory_budget_bytes = engine.resident_bytes + RESERVE_BYTES + 30 * MIB
+    engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + 30 * MIB
     try:
         free = engine.plan("kev", input_tokens=64, new_tokens=12)
-        engine._held_bytes = engine.resident_bytes + 5 * MIB
+        engine.memory.held_bytes = engine.memory.resident_bytes + 5 * MIB
         held = engine.plan("kev", input_tokens=64, new_tokens=12)
         assert held.max_rows < free.max_rows
         assert held.free_bytes == free.free_bytes - 5 * MIB
         assert 0 < held.max_rows * held.bytes_per_row <= held.free_bytes
     finally:
-        engine.memory_budget_bytes = None
-        engine._held_bytes = None
+        engine.memory.total_bytes = None
+        engine.memory.held_bytes = None
 
 
 def test_sampled_rows_are_planned_as_a_few_sampler_slots(engine: Engine) -> None:
@@ -60,7 +60,7 @@ def test_sampled_rows_are_planned_as_a_few_sampler_slots(engine: Engine) -> None
     nearly all its rows, and stays inside the budget."""
     from worker.fastpath.decoder import sampler_slots
 
-    engine.memory_budget_bytes = engine.resident_bytes + RESERVE_BYTES + 30 * MIB
+    engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + 30 * MIB
     try:
         greedy = engine.plan("kev", input_tokens=64, new_tokens=12)
         sampled = engine.plan("kev", input_tokens=64, new_tokens=12, sampled_rows=3)
@@ -69,16 +69,16 @@ def test_sampled_rows_are_planned_as_a_few_sampler_slots(engine: Engine) -> None
         assert 0 < sampled.max_rows <= greedy.max_rows
         assert sampled.max_rows * sampled.bytes_per_row <= sampled.free_bytes
     finally:
-        engine.memory_budget_bytes = None
+        engine.memory.total_bytes = None
 
 
 def test_a_take_that_cannot_fit_still_runs_a_row_at_a_time(engine: Engine) -> None:
-    engine.memory_budget_bytes = engine.resident_bytes + RESERVE_BYTES  # nothing left: plans of 0 rows
+    engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES  # nothing left: plans of 0 rows
     try:
         jobs = [Job(custom_id=str(i), model="laya", prompt=f"case {i}") for i in range(3)]
         outs = engine.run(jobs)
     finally:
-        engine.memory_budget_bytes = None
+        engine.memory.total_bytes = None
     assert all(o.error is None for o in outs)
 
 

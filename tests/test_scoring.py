@@ -11,6 +11,7 @@ from shared.job import Job
 from tests.conftest import tiny_config
 from worker.engine import Engine
 from worker.fastpath import ScoreRow
+from worker.loading import select_adapters
 
 PROMPTS = ["Approve a loan of 12000?", "Income 52000, debt low.", "不确定的情况", "x", "Step 1: check income " * 7]
 CHOICES = ("approve", "reject now", "need more review by the credit committee", "不确定")
@@ -24,7 +25,7 @@ def engine(request: pytest.FixtureRequest, tiny_models: Path) -> Engine:
 def reference(engine: Engine, model: str, prompt: list[int], choice: tuple[int, ...]) -> float:
     """A plain log-likelihood: HF forward of prompt + choice alone (no padding), the model's adapter active."""
     base = engine.base_for(model)
-    with engine._adapters(base, [base.adapters[model]]), torch.inference_mode():
+    with select_adapters(base, [base.adapters[model]]), torch.inference_mode():
         logp = base.model(input_ids=torch.tensor([prompt + list(choice)])).logits[0].float().log_softmax(-1)
     return sum(float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(choice))
 
@@ -38,12 +39,12 @@ def test_choice_scores_equal_a_plain_log_likelihood(engine: Engine) -> None:
         Job(custom_id=str(i), model=("kev", "laya")[i % 2], prompt=PROMPTS[i % 5], choices=CHOICES[: 2 + i % 3])
         for i in range(7)
     ]
-    items = [engine._encode(i, job) for i, job in enumerate(jobs)]
-    rows = [ScoreRow(ids=it.ids, choices=engine._choice_ids(it.job), adapter=it.adapter) for it in items]
+    items = [engine.encoder.encode(job, index=i) for i, job in enumerate(jobs)]
+    rows = [ScoreRow(ids=it.ids, choices=engine.choices.ids(it.job), adapter=it.adapter) for it in items]
     assert len({len(r.ids) for r in rows}) > 2 and len({c for r in rows for c in map(len, r.choices)}) > 2
     decoder.prefill.tokens = 40  # several prefill and continuation chunks
     try:
-        scored = decoder.score(rows, pad_id=base.tokenizer.pad_token_id, select=lambda n: engine._adapters(base, n))
+        scored = decoder.score(rows, pad_id=base.tokenizer.pad_token_id, select=lambda n: select_adapters(base, n))
     finally:
         decoder.prefill.tokens = 4096
     assert scored.bad == [False] * len(rows)

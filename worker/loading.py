@@ -7,8 +7,10 @@ colliding LoRA keys apart. A model without an adapter is served by the base itse
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from worker.versions import fingerprint
 
 log = logging.getLogger("kevlaya.loading")
 hf_logging.disable_progress_bar()
+BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 
 
 @dataclass
@@ -120,6 +123,34 @@ def attach_adapter(base: LoadedBase, model_name: str, adapter: Path | None) -> N
     base.model.eval()
     base.adapters[model_name] = model_name
     base.adapter_fingerprints[model_name] = fingerprint(adapter)
+
+
+def stop_ids(base: LoadedBase, stop_strings: Sequence[str]) -> list[int]:
+    """The token ids of the configured stop strings this tokenizer knows as single tokens (else its EOS)."""
+    tok = base.tokenizer
+    ids = [tok.convert_tokens_to_ids(s) for s in stop_strings]
+    ids = [i for i in ids if isinstance(i, int) and i != tok.unk_token_id]
+    return ids or [tok.eos_token_id]
+
+
+@contextlib.contextmanager
+def select_adapters(base: LoadedBase, rows: Sequence[str | None]) -> Iterator[dict[str, Any]]:
+    """Select the adapter(s) for rows of these adapter names: one active adapter for a single-model batch,
+    per-row names for a mixed one."""
+    names = set(rows)
+    if not base.has_peft:
+        yield {}
+    elif len(names) > 1:
+        yield {"adapter_names": [name or BASE_ADAPTER for name in rows]}
+    elif None in names:
+        with base.model.disable_adapter():
+            yield {}
+    else:
+        name = next(iter(names))
+        if base.active_adapter != name:
+            base.model.set_adapter(name)  # walks every LoRA layer (ms on a 28-layer model): only on change
+            base.active_adapter = name
+        yield {}
 
 
 def _checkpoint_bytes(path: Path) -> int:

@@ -16,11 +16,19 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import resource
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from worker.memory import MIB
+from worker.fastpath import ROW_BUCKETS, StaticDecoder, length_bucket
+from worker.fastpath.decoder import sampler_slots
+from worker.memory import DTYPE_BYTES, MIB, RESERVE_BYTES, BatchPlan, plan_batch
+
+if TYPE_CHECKING:
+    from worker.loading import LoadedBase
 
 log = logging.getLogger("kevlaya.planner")
 
@@ -89,3 +97,116 @@ def held_bytes(device: torch.device) -> int:
     not one set per graph, and `MAX_GRAPHS` bounds the graphs' own buffers)."""
     torch.cuda.empty_cache()
     return int(torch.cuda.memory_reserved(device))
+
+
+class MemoryBudget:
+    """The engine's memory accounting against the whole process's budget: set up at start, looked at again
+    before each take (`refresh`), read by every plan."""
+
+    def __init__(self, device: torch.device, total_bytes: int | None) -> None:
+        self.device = device
+        self.total_bytes = total_bytes  # the whole process (CUDA default: the GPU's total minus a margin)
+        self.outside_allocator_bytes = 0  # CUDA: context, kernels, workspaces (measured)
+        self.held_bytes: int | None = None  # CUDA: what the allocator holds beyond the KV pools, at the last look
+        self.resident_bytes = 0  # the loaded models (see `count_resident`)
+
+    def start(self) -> None:
+        """CUDA: the context exists before the memory outside torch is measured; the allocator capped; the peak
+        we report is this engine's, not a build's."""
+        if self.device.type != "cuda":
+            return
+        torch.zeros(1, device=self.device)
+        if self.total_bytes is None:
+            self.total_bytes = default_budget(self.device)
+        self.cap_allocator("start")
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def count_resident(self, models: Iterable[Any]) -> None:
+        """What the loaded models hold (CUDA: everything allocated now)."""
+        if self.device.type == "cuda":
+            self.resident_bytes = int(torch.cuda.memory_allocated(self.device))
+        else:
+            self.resident_bytes = sum(m.get_memory_footprint() for m in models)
+
+    def cap_allocator(self, when: str) -> None:
+        """The allocator's cap: the budget minus what the driver counts outside the allocator, as measured now."""
+        reading = measure(self.device)
+        self.outside_allocator_bytes = reading.outside_allocator_bytes
+        assert self.total_bytes is not None
+        cap = self.total_bytes - self.outside_allocator_bytes
+        set_allocator_cap(self.device, cap)
+        log.info(
+            "memory (%s): budget %d MiB for the whole process; %d MiB outside torch's allocator (context, kernels, "
+            "workspaces; %s); allocator capped at %d MiB",
+            when, self.total_bytes // MIB, self.outside_allocator_bytes // MIB,
+            "this process per NVML" if reading.per_process else "the device's used memory: NVML unavailable",
+            cap // MIB,
+        )  # fmt: skip
+
+    def refresh(self, kv_pool_bytes: int) -> None:
+        """Look again at what the allocator holds (CUDA), so the next plans count what is resident now: weights,
+        captured graphs' pool, anything cached -- but not the KV pools, which the next batch reuses or replaces."""
+        if self.device.type != "cuda":
+            return
+        self.held_bytes = held_bytes(self.device) - kv_pool_bytes
+        # Kernels for new shapes (flash attention, cuBLAS) load into the context as batches come: the measured
+        # H200 process grew past the budget by 10 MiB with the cap set only at start and after the warm-up.
+        outside = measure(self.device).outside_allocator_bytes
+        if outside > self.outside_allocator_bytes:
+            self.cap_allocator("grown")
+
+    @property
+    def plannable_bytes(self) -> int:
+        """What a plan may spend in all: the budget less what lies outside the allocator."""
+        return (self.total_bytes or (1 << 62)) - self.outside_allocator_bytes
+
+    @property
+    def planned_resident_bytes(self) -> int:
+        return self.held_bytes if self.held_bytes is not None else self.resident_bytes
+
+    @property
+    def reserve_bytes(self) -> int:
+        return ALLOCATOR_SLACK_BYTES if self.device.type == "cuda" else RESERVE_BYTES
+
+    def plan(
+        self,
+        base: LoadedBase,
+        *,
+        input_tokens: int,
+        new_tokens: int,
+        sampled_rows: int,
+        max_rows: int,
+        decoder: StaticDecoder | None,
+    ) -> BatchPlan:
+        """How many rows of `input_tokens` + `new_tokens` fit what is left of the budget, `sampled_rows` of them
+        sampled (their draws need memory of their own), on the base's static loop (`decoder`) or HF's path."""
+        decoder = decoder if new_tokens > 0 else None
+        plan = plan_batch(
+            base.shape,
+            budget_bytes=self.plannable_bytes,
+            resident_bytes=self.planned_resident_bytes,
+            reserve_bytes=self.reserve_bytes,
+            input_tokens=input_tokens,
+            new_tokens=new_tokens,
+            dtype_bytes=DTYPE_BYTES[base.spec.compute_dtype],
+            max_rows_cap=max_rows,
+            # The static loop prefills in chunks and keeps a cache of whole length buckets.
+            prefill_chunk_tokens=decoder.prefill_tokens if decoder else None,
+            cache_tokens=length_bucket(input_tokens + new_tokens) if decoder else None,
+            flash_prefill=decoder is not None and decoder.own_prefill,
+            sampler_slots=sampler_slots(sampled_rows) if decoder else 0,
+        )
+        if decoder is None or plan.max_rows in ROW_BUCKETS:
+            return plan
+        # Rows are padded up to a bucket: plan the largest bucket that fits, not a size padded past the plan.
+        return replace(plan, max_rows=max((b for b in ROW_BUCKETS if b <= plan.max_rows), default=plan.max_rows))
+
+    def process_bytes(self) -> int | None:
+        """CUDA: the process now, as the driver reports it."""
+        return measure(self.device).driver_bytes if self.device.type == "cuda" else None
+
+    def peak_bytes(self) -> int:
+        """Peak GPU memory allocated (CUDA), else the process's peak resident set size."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,4 +1,5 @@
-"""The PNGs of `kevlaya eval` and `kevlaya calibrate`: reliability diagrams and the cascade's curve.
+"""The PNGs of `kevlaya eval`, `kevlaya calibrate` and `kevlaya train`: reliability diagrams, the cascade's curve,
+a training loss curve.
 matplotlib is imported when a plot is drawn (it is a dev extra, and slow to import)."""
 
 from __future__ import annotations
@@ -59,3 +60,19 @@ def curve_png(report: dict[str, Any], path: Path, *, screen: str, expert: str) -
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def loss_png(report: Any, path: Path) -> None:
+    """A training run's loss per optimizer step (a TrainReport), its skipped steps marked in red."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(report.losses) + 1), report.losses, lw=1)
+    for skipped in report.skipped_steps:
+        ax.axvline(skipped["step"], color="red", alpha=0.3, lw=0.8)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (target tokens)")
+    ax.set_title(f"{report.model}: loss ({len(report.skipped_steps)} skipped steps)")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,89 @@
+"""A group of rows cut into sub-batches that fit memory: packed by the memory plan at their real lengths, and,
+should the plan be wrong, survived on an out-of-memory error (retried once with memory released, then split)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from shared.errors import OUT_OF_MEMORY
+from worker.memory import BatchPlan
+from worker.outputs import RowOutput
+from worker.rows import Item
+
+log = logging.getLogger("kevlaya.engine")
+Plan = Callable[..., BatchPlan]  # Engine.plan(model, *, input_tokens, new_tokens, sampled_rows)
+
+
+def pack(
+    items: list[Item], *, scoring: bool, on_loop: bool, plan: Plan, choice_tokens: Callable[..., int]
+) -> list[list[Item]]:
+    """Sub-batches that fit the memory plan at their real lengths. Sorted by length first, so rows of
+    similar length share a batch and little compute is spent on padding. `on_loop`: scored on the static loop;
+    `choice_tokens(job)`: all of a job's choice tokens."""
+    model = items[0].job.model
+    on_loop = scoring and on_loop
+    ordered = sorted(items, key=lambda it: len(it.ids))
+    chunks: list[list[Item]] = []
+    current: list[Item] = []
+    span = new = sampled = 0  # the current chunk's most choice tokens, most new tokens, sampled rows
+    for item in ordered:
+        longest = len(item.ids)  # ascending order: the newcomer is the longest in the chunk
+        item_span = choice_tokens(item.job) if on_loop else 0
+        if on_loop:
+            # The loop scores a row's choices after its prompt, in the KV pool: planned as a row of the
+            # prompt plus all its choices' tokens (the prompt once, not once per choice).
+            rows = plan(model, input_tokens=longest, new_tokens=max(span, item_span)).max_rows
+        elif scoring:
+            per_item = max(1, len(item.job.choices or ()))
+            rows = plan(model, input_tokens=longest + 8, new_tokens=0).max_rows // per_item
+        else:
+            draws = sampled + (item.job.temperature > 0)
+            rows = plan(model, input_tokens=longest, new_tokens=max(new, item.max_new), sampled_rows=draws).max_rows
+        if current and len(current) + 1 > max(1, rows):
+            chunks.append(current)
+            current, span, new, sampled = [], 0, 0, 0
+        current.append(item)
+        span, new = max(span, item_span), max(new, item.max_new)
+        sampled += not scoring and item.job.temperature > 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+class OomGuard:
+    """Runs a sub-batch and survives an out-of-memory error. `release()` drops what the static loops hold and says
+    whether they held anything; `count` is the errors survived (each one a planning bug)."""
+
+    def __init__(self, release: Callable[[], bool]) -> None:
+        self.release = release
+        self.count = 0
+
+    def __call__(
+        self, fn: Callable[[list[Item]], list[RowOutput]], items: list[Item], *, retried: bool = False
+    ) -> list[RowOutput]:
+        """Out of memory first retries the batch once, if releasing the static loop's graphs and cache freed
+        anything (graphs of earlier buckets pin memory the plan does not count); then it splits the batch
+        in halves; only a row that fails alone is an error. The retry happens after the `except` block:
+        inside it, the traceback would keep the failed attempt's activations alive."""
+        try:
+            return fn(items)
+        except torch.OutOfMemoryError as exc:
+            what = str(exc).split("\n")[0][:300]  # the text only: the exception would keep the attempt alive
+        self.count += 1
+        log.error(
+            "OUT OF MEMORY at %d rows (out-of-memory error #%d of this worker): the memory plan let this batch "
+            "past what the budget holds -- a planning bug, please report it; surviving it by %s. %s",
+            len(items), self.count, "releasing the decode graphs and cache" if not retried else "splitting", what,
+        )  # fmt: skip
+        freed = self.release()
+        if freed and not retried:
+            log.warning("out of memory at %d rows; retrying once with the decode graphs and cache released", len(items))
+            return self(fn, items, retried=True)
+        if len(items) == 1:
+            return [RowOutput.failed(OUT_OF_MEMORY, "does not fit in memory even alone", len(items[0].ids))]
+        half = len(items) // 2
+        log.warning("out of memory at %d rows; splitting into %d + %d", len(items), half, len(items) - half)
+        return self(fn, items[:half], retried=True) + self(fn, items[half:], retried=True)
