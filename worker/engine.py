@@ -10,6 +10,7 @@ Confidence is defined in worker/outputs.py (generation) and worker/scoring.py (c
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from worker.config import ModelsConfig
 from worker.eager import generate_eager, sampling_params
 from worker.fastpath import Decoded, StaticDecoder, row_bucket
 from worker.loading import LoadedBase, load_all, stop_ids
-from worker.memory import BatchPlan
+from worker.memory import MIB, BatchPlan
 from worker.outputs import RowOutput, generated_output
 from worker.packing import OomGuard, pack
 from worker.planner import MemoryBudget
@@ -33,6 +34,8 @@ from worker.prompts import Encoder
 from worker.rows import BaseCall, FaultHook, Item
 from worker.scoring import ChoiceTokens, score_eager, score_static
 from worker.static import DECODE_MODES, StaticLoops, generate_static, warm_up
+
+log = logging.getLogger("kevlaya.engine")
 
 TYPICAL_INPUT_TOKENS = 256  # sizes the worker's take; real lengths size the engine's sub-batches
 
@@ -78,6 +81,7 @@ class Engine:
         self.choices = ChoiceTokens(config, self.bases)
         self.phase_s: Counter[str] = Counter()  # seconds spent encoding prompts and building outputs
         self._longest_prompt: dict[str, int] = {}  # per model, in its last batch: sizes the worker's take
+        self._logged_takes: dict[str, tuple[int, int]] = {}  # per model: the take size last logged, and its prompts
         self.loops = StaticLoops(self.bases, decode=decode, device=self.device, compile_ops=compile_ops)
         self.decoders: dict[str, StaticDecoder] = self.loops.decoders  # by base; a base without one: HF generate
         self.guard = OomGuard(self.loops.release)
@@ -128,7 +132,17 @@ class Engine:
         seen = max(TYPICAL_INPUT_TOKENS, self._longest_prompt.get(model, 0))
         typical = min(self.config.models[model].max_input_tokens, seen)
         self.refresh_memory()
-        return max(1, self.plan(model, input_tokens=typical).max_rows)
+        plan = self.plan(model, input_tokens=typical)
+        if self._logged_takes.get(model) != (plan.max_rows, typical):
+            self._logged_takes[model] = (plan.max_rows, typical)
+            # An operator's answer to "why this take size": what the budget left and what a row costs.
+            log.info(
+                "take for %s: %d rows at prompts up to %d tokens: %d MiB left for rows after %d MiB held "
+                "(weights, graphs' pool, caches; KV pool %d MiB not counted), %.1f MiB per row",
+                model, plan.max_rows, typical, plan.free_bytes // MIB, self.memory.planned_resident_bytes // MIB,
+                self.loops.pool_bytes // MIB, plan.bytes_per_row / MIB,
+            )  # fmt: skip
+        return max(1, plan.max_rows)
 
     def refresh_memory(self) -> None:
         """The memory the next plans start from, looked at again (see `MemoryBudget.refresh`)."""
