@@ -105,9 +105,15 @@ class ModelShape:
         values with their int64 order: about 12 fp32-sized vectors over the vocabulary."""
         return 12 * self.vocab * 4
 
-    def decode_bytes_per_row(self) -> int:
-        """Per-row decode overhead: fp32 logits and their log-softmax, over the vocabulary."""
-        return 3 * self.vocab * 4
+    def decode_bytes_per_row(self, dtype_bytes: int = 2, *, choice_chunk_rows: int | None = None) -> int:
+        """Per-row decode temporaries over the vocabulary: fp32 logits and their log-softmax -- or, where the
+        token choice converts `choice_chunk_rows` rows at a time (the static loop's greedy batches), only the
+        logits in the compute dtype (the chunk's float32 work is `choice_chunk_bytes`, once per batch)."""
+        return 3 * self.vocab * 4 if choice_chunk_rows is None else self.vocab * dtype_bytes
+
+    def choice_chunk_bytes(self, choice_chunk_rows: int) -> int:
+        """One chunk of greedy choice: its rows' float32 logits, log-softmax and finiteness flags."""
+        return choice_chunk_rows * self.vocab * 9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,6 +138,7 @@ def plan_batch(
     flash_prefill: bool = False,
     reserve_bytes: int = RESERVE_BYTES,
     sampler_slots: int = 0,
+    choice_chunk_rows: int | None = None,
 ) -> BatchPlan:
     """The largest number of rows of `input_tokens + new_tokens` that fits in what the budget leaves.
 
@@ -139,7 +146,9 @@ def plan_batch(
     prefill activations are one fixed chunk's, not a per-row cost, and each row keeps `cache_tokens` of KV
     (allocated exactly, so planned without the safety margin the estimates get). `flash_prefill`: the loop's
     own prefill, whose unmasked causal attention never builds a score matrix (flash / memory-efficient).
-    `sampler_slots`: the batch's sampled rows, bucketed, each drawing over the vocabulary in every step."""
+    `sampler_slots`: the batch's sampled rows, bucketed, each drawing over the vocabulary in every step.
+    `choice_chunk_rows`: the static loop's greedy token choice, converting that many rows' logits to float32 at
+    a time (a batch with sampled rows converts them all at once)."""
     free = budget_bytes - resident_bytes - reserve_bytes
     # Sampled rows draw in a fixed number of slots (not per row of the batch): a fixed cost, with the margin.
     free -= int(sampler_slots * shape.sampling_bytes_per_slot() * SAFETY_FACTOR)
@@ -160,6 +169,9 @@ def plan_batch(
         # The loop allocates its cache exactly (rows x cache_tokens), and the float32 first-token logits the
         # prefill hands over: no margin on those, only on the estimated decode temporaries.
         exact = (cache_tokens or input_tokens + new_tokens) * kv + shape.vocab * 4
-        per_row = exact + int(shape.decode_bytes_per_row() * SAFETY_FACTOR)
+        chunked = choice_chunk_rows if choice_chunk_rows and not sampler_slots else None
+        if chunked:
+            free -= int(shape.choice_chunk_bytes(chunked) * SAFETY_FACTOR)
+        per_row = exact + int(shape.decode_bytes_per_row(dtype_bytes, choice_chunk_rows=chunked) * SAFETY_FACTOR)
     rows = max(0, min(max_rows_cap, free // per_row)) if free > 0 else 0
     return BatchPlan(max_rows=int(rows), kv_bytes_per_token=kv, bytes_per_row=int(per_row), free_bytes=int(free))

@@ -25,6 +25,7 @@ import torch
 
 from worker.fastpath import ROW_BUCKETS, StaticDecoder, length_bucket
 from worker.fastpath.decoder import sampler_slots
+from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
 from worker.memory import DTYPE_BYTES, MIB, RESERVE_BYTES, BatchPlan, plan_batch
 
 if TYPE_CHECKING:
@@ -195,6 +196,7 @@ class MemoryBudget:
             cache_tokens=length_bucket(input_tokens + new_tokens) if decoder else None,
             flash_prefill=decoder is not None and decoder.own_prefill,
             sampler_slots=sampler_slots(sampled_rows) if decoder else 0,
+            choice_chunk_rows=CHOICE_CHUNK_ROWS if decoder else None,
         )
         if decoder is None or plan.max_rows in ROW_BUCKETS:
             return plan

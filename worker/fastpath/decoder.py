@@ -52,7 +52,7 @@ from worker.fastpath.graphs import (
 )
 from worker.fastpath.ops import prefill_attention
 from worker.fastpath.prefill import AdapterSelect, Prefill, adapter_mask
-from worker.fastpath.sampling import Sampling, draw_rows
+from worker.fastpath.sampling import Sampling, draw_rows, greedy_choice
 from worker.fastpath.scoring import Scored, ScoreRow, score_choices
 from worker.fastpath.weights import Masks, Stack
 
@@ -196,14 +196,14 @@ class StaticDecoder:
 
     def _choose(self, state: State, logits: torch.Tensor) -> None:
         """Greedy choice (or each sampled row's draw) and bookkeeping, all on the device (no host sync): as HF's
-        greedy search does it --
-        argmax of the float32 logits, finished rows emit padding -- plus the chosen token's log-probability
-        and non-finite rows forced to end (flagged, so their batch-mates carry on)."""
-        logits = logits.float()
-        finite = torch.isfinite(logits).all(dim=-1)
-        token = torch.where(finite, logits.argmax(dim=-1), state.end_id)
-        logprob = logits.log_softmax(dim=-1).gather(1, token.unsqueeze(1)).squeeze(1)
-        if state.sampling is not None:
+        greedy search does it -- argmax of the float32 logits (converted a chunk of rows at a time when no row
+        samples), finished rows emit padding -- plus the chosen token's log-probability and non-finite rows
+        forced to end (flagged, so their batch-mates carry on)."""
+        if state.sampling is None:
+            token, logprob, finite = greedy_choice(logits, state.end_id)
+        else:
+            logits = logits.float()
+            token, logprob, finite = greedy_choice(logits, state.end_id, chunk_rows=logits.shape[0])
             # Sampled rows draw from their own distribution (greedy rows keep the argmax above); a non-finite
             # row still ends with `end_id`.
             token, logprob = draw_rows(
