@@ -59,13 +59,19 @@ def test_sampled_rows_are_planned_as_a_few_sampler_slots(engine: Engine) -> None
     """Sampled rows draw in sampler slots (their count bucketed), a fixed cost: a plan with a few of them keeps
     nearly all its rows, and stays inside the budget."""
     from worker.fastpath.decoder import sampler_slots
+    from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
+    from worker.memory import SAFETY_FACTOR
 
     engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + 30 * MIB
     try:
         greedy = engine.plan("kev", input_tokens=64, new_tokens=12)
         sampled = engine.plan("kev", input_tokens=64, new_tokens=12, sampled_rows=3)
-        slots = sampler_slots(3) * engine.base_for("kev").shape.sampling_bytes_per_slot()
-        assert slots < greedy.free_bytes - sampled.free_bytes < 2 * slots  # the slots' cost, with its margin
+        shape = engine.base_for("kev").shape
+        slots = sampler_slots(3) * shape.sampling_bytes_per_slot()
+        # A greedy batch sets aside one chunk of float32 token choice; a sampled one converts every row instead.
+        chunk = int(shape.choice_chunk_bytes(CHOICE_CHUNK_ROWS) * SAFETY_FACTOR)
+        assert slots < greedy.free_bytes + chunk - sampled.free_bytes < 2 * slots  # the slots, with the margin
+        assert greedy.bytes_per_row < sampled.bytes_per_row
         assert 0 < sampled.max_rows <= greedy.max_rows
         assert sampled.max_rows * sampled.bytes_per_row <= sampled.free_bytes
     finally:

@@ -119,3 +119,23 @@ def test_hf_generate_runs_each_sampling_setting_on_its_own(static: TokenRecorder
     assert all(o.error is None for o in outs)
     assert eager.tokens["e"] == want
     assert {j.custom_id: eager.tokens[j.custom_id] for j in plain} == greedy_tokens
+
+
+def test_greedy_choice_in_chunks_of_rows_gives_the_whole_batchs_numbers() -> None:
+    """Token choice converts a few rows' logits to float32 at a time (memory for more rows): the tokens,
+    log-probabilities and finiteness flags equal one conversion of the whole batch, non-finite rows included."""
+    from worker.fastpath.sampling import greedy_choice
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(37, 101, generator=gen) * 4).to(torch.bfloat16)
+    logits[5, 7] = float("nan")
+    logits[30, 0] = float("inf")
+    whole = greedy_choice(logits, 99, chunk_rows=logits.shape[0])
+    for chunk_rows in (1, 8, 32):
+        parts = greedy_choice(logits, 99, chunk_rows=chunk_rows)
+        for got, want in zip(parts, whole, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    token, logprob, finite = whole
+    assert token[5] == 99 and token[30] == 99 and not finite[5] and not finite[30]
+    reference = logits[0].float().log_softmax(dim=-1)
+    assert token[0] == reference.argmax() and logprob[0] == reference.max()
