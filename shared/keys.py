@@ -114,6 +114,22 @@ class Keys:
         """String: when an id was first seen in RQ's intermediate list (stuck-job sweep)."""
         return f"{self.prefix}w:first-seen:{queue_key}:{job_id}"
 
+    def schedules(self) -> str:
+        """Set: names of the schedules `kevlaya schedule` has run (for `kevlaya schedule --list`)."""
+        return f"{self.prefix}schedules"
+
+    def schedule(self, name: str) -> str:
+        """Hash: a schedule's spec (JSON), its last slot run and the batch of it."""
+        return f"{self.prefix}schedule:{name}"
+
+    def schedule_runs(self, name: str) -> str:
+        """Hash: slot stamp (UTC, sortable) -> JSON record of that slot's run, or of its being missed."""
+        return f"{self.prefix}schedule:{name}:runs"
+
+    def schedule_slot(self, name: str, stamp: str) -> str:
+        """String, SET NX: the scheduler that runs this slot (two schedulers of one schedule: one run per slot)."""
+        return f"{self.prefix}schedule:{name}:slot:{stamp}"
+
     def batch_keys(self, batch: str) -> list[str]:
         return [
             self.batch(batch),
