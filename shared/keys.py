@@ -90,6 +90,10 @@ class Keys:
         """Sorted set: worker name -> last heartbeat timestamp."""
         return f"{self.prefix}w:workers"
 
+    def idle_workers(self) -> str:
+        """Sorted set: workers between takes -> since when (N workers share a queue's tail among the idle ones)."""
+        return f"{self.prefix}w:idle"
+
     def worker_stats(self, name: str) -> str:
         """Hash: counters a worker publishes (batches, jobs, switches, peak memory)."""
         return f"{self.prefix}w:worker:{name}:stats"
