@@ -52,7 +52,7 @@ def start_workers(cmd: list[str], log_path: Path, *, env: dict[str, str]) -> tup
     supervised = "--gpus" in cmd
     while True:
         text = log_path.read_text(errors="replace")
-        expected = len(re.findall(r"supervisor: worker \S+ on GPU", text)) if supervised else 1
+        expected = len(re.findall(r"kevlaya.supervisor: worker \S+ on GPU", text)) if supervised else 1
         if expected and len(re.findall(r"started \(burst=", text)) >= expected:
             return proc, expected
         if proc.poll() is not None:

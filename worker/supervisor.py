@@ -150,7 +150,7 @@ class Supervisor:
         self.signals += 1
         self.pending.clear()
         sig = signum if self.signals == 1 else signal.SIGKILL
-        log.info("supervisor: %s to %d worker(s)", signal.Signals(sig).name, len(self.procs))
+        log.info("forwarding %s to %d worker(s)", signal.Signals(sig).name, len(self.procs))
         self._send(sig)
         self._wake.set()
 
@@ -170,7 +170,7 @@ class Supervisor:
         self.procs[child.name] = self.spawn(
             child.argv, env=env, start_new_session=True, preexec_fn=_die_with_parent
         )  # its own session: a Ctrl-C reaches it once, through the parent
-        log.info("supervisor: worker %s on GPU %s (pid %s)", child.name, child.gpu, self.procs[child.name].pid)
+        log.info("worker %s on GPU %s (pid %s)", child.name, child.gpu, self.procs[child.name].pid)
 
     def run(self) -> int:
         previous = self.install_signals()
@@ -199,22 +199,22 @@ class Supervisor:
             self._wake.clear()
         if self.failed:
             child, rc = self.failed[0]
-            log.error("supervisor: worker %s (GPU %s) failed permanently (exit %s)", child.name, child.gpu, rc)
+            log.error("worker %s (GPU %s) failed permanently (exit %s)", child.name, child.gpu, rc)
             return rc if rc > 0 else 1
         return 0
 
     def _exited(self, child: ChildSpec, rc: int) -> None:
         if self.stopping:
-            log.info("supervisor: worker %s exited (%s)", child.name, rc)
+            log.info("worker %s exited (%s)", child.name, rc)
             return
         if rc == 0:
-            log.info("supervisor: worker %s finished", child.name)
+            log.info("worker %s finished", child.name)
             return
         now = time.monotonic()
         recent = [t for t in self.restarts[child.name] if now - t < self.settings.restart_window_s]
         if len(recent) >= self.settings.max_restarts:
             log.error(
-                "supervisor: worker %s (GPU %s) exited %s after %d restarts within %.0f s; stopping the others",
+                "worker %s (GPU %s) exited %s after %d restarts within %.0f s; stopping the others",
                 child.name, child.gpu, rc, len(recent), self.settings.restart_window_s,
             )  # fmt: skip
             self.failed.append((child, rc))
@@ -224,7 +224,7 @@ class Supervisor:
         self.restarts[child.name] = [*recent, now]
         delay = self.settings.restart_delay_s * (len(recent) + 1)
         log.warning(
-            "supervisor: worker %s (GPU %s) exited %s; restart %d/%d in %.0f s",
+            "worker %s (GPU %s) exited %s; restart %d/%d in %.0f s",
             child.name, child.gpu, rc, len(recent) + 1, self.settings.max_restarts, delay,
         )  # fmt: skip
         self.pending[child.name] = now + delay
