@@ -11,11 +11,14 @@ same ones in every scheduler of a schedule, counted from the epoch for `--every`
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import datetime
 from functools import partial
 
 from redis import Redis
+from redis import exceptions as redis_exceptions
+from redis.client import Pipeline
 from rq import cron_job_registry, cron_scheduler_registry
 from rq.cron import CronJob, CronScheduler
 from rq.defaults import DEFAULT_CRON_SCHEDULER_TTL
@@ -23,6 +26,8 @@ from rq.utils import now
 
 from producer.client import Client
 from producer.schedule import ScheduleSpec, SlotRunner, run_slot, stamp
+
+log = logging.getLogger("kevlaya.schedule")
 
 
 class SlotJob(CronJob):
@@ -50,8 +55,30 @@ class SlotJob(CronJob):
 
     def enqueue(self, connection: Redis) -> None:  # type: ignore[override]
         slot = self.cadence.at_or_before(now())
-        self.func(*self.args, stamp(slot), runner=self.runner)  # type: ignore[misc]
-        cron_job_registry.add(self.name, connection, enqueue_timestamp=slot.timestamp())
+        try:
+            self.func(*self.args, stamp(slot), runner=self.runner)  # type: ignore[misc]
+            cron_job_registry.add(self.name, connection, enqueue_timestamp=slot.timestamp())
+        except (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError) as exc:
+            # Raising here would leave the slot due, and RQ's loop would retry it without sleeping. Unclaimed,
+            # the next slot reports it missed; claimed, its record says how far it got.
+            log.error("schedule %s: slot %s not run, redis unavailable (%s)", self.runner.spec.name, stamp(slot), exc)
+
+
+class KevlayaCron(CronScheduler):
+    """RQ's cron scheduler, carrying on through a Redis outage: its heartbeat and save are retried at the
+    next pass of its loop instead of ending the process (its registration comes back with the heartbeat)."""
+
+    def heartbeat(self) -> None:
+        try:
+            super().heartbeat()
+        except (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError) as exc:
+            log.warning("cron scheduler %s: heartbeat failed, redis unavailable (%s)", self.name, exc)
+
+    def save(self, pipeline: Pipeline | None = None) -> None:
+        try:
+            super().save(pipeline)
+        except (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError) as exc:
+            log.warning("cron scheduler %s: could not save its state, redis unavailable (%s)", self.name, exc)
 
 
 def alive(redis: Redis, scheduler: str) -> bool:
@@ -62,7 +89,7 @@ def alive(redis: Redis, scheduler: str) -> bool:
 
 def scheduler_for(client: Client, spec: ScheduleSpec) -> tuple[CronScheduler, SlotRunner]:
     """An RQ cron scheduler carrying the schedule, and its slot runner (named after the scheduler)."""
-    scheduler = CronScheduler(client.redis)
+    scheduler = KevlayaCron(client.redis)
     runner = SlotRunner(client, spec, owner=scheduler.name, alive=partial(alive, client.redis))
     # CronScheduler.register builds plain CronJobs only; its loop reads this list (pinned rq==2.12.0).
     scheduler._cron_jobs.append(SlotJob(runner, f"{client.keys.prefix}schedule:{spec.name}"))

@@ -14,6 +14,7 @@ finish, and exports its results to the output template. The timer itself is RQ's
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import math
@@ -28,6 +29,7 @@ from typing import Any
 
 import orjson
 from croniter import croniter
+from redis import exceptions as redis_exceptions
 from redis.exceptions import WatchError
 
 from producer.client import DEFAULT_COMPLETION_WINDOW_S, Client
@@ -375,20 +377,37 @@ class SlotRunner:
         thread.start()
 
     def finish(self, slot: datetime, run: SlotRun) -> Path | None:
-        """Wait until the slot's batch is finished, then export its results (input order) to the output."""
+        """Wait until the slot's batch is finished, then export its results (input order) to the output. A
+        Redis outage meanwhile is waited out (the batch goes on in the workers); any other failure is recorded."""
+        delay = 1.0
+        while True:
+            try:
+                return self._export(slot, run)
+            except (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError) as exc:
+                log.warning(
+                    "schedule %s: slot %s: redis unavailable (%s); retrying in %.0f s",
+                    self.spec.name,
+                    run.slot,
+                    exc,
+                    delay,
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, 30.0)
+            except Exception as exc:  # the thread's end: record it (best effort)
+                with contextlib.suppress(Exception):
+                    self._record(replace(run, status="failed", error=f"export: {exc}"), str(exc))
+                return None
+
+    def _export(self, slot: datetime, run: SlotRun) -> Path:
         assert run.batch is not None
-        try:
-            record = self.client.wait(run.batch, poll_s=2.0)
-            path = self.spec.output_path(slot, run.batch)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            with tmp.open("wb") as fh:
-                for row in self.client.iter_results(run.batch):
-                    fh.write(orjson.dumps(row) + b"\n")
-            os.replace(tmp, path)  # readers never see half a file
-        except Exception as exc:  # a thread's end: record it, the next start can take the run over
-            self._record(replace(run, status="failed", error=f"export: {exc}"), str(exc))
-            return None
+        record = self.client.wait(run.batch, poll_s=2.0)
+        path = self.spec.output_path(slot, run.batch)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with tmp.open("wb") as fh:
+            for row in self.client.iter_results(run.batch):
+                fh.write(orjson.dumps(row) + b"\n")
+        os.replace(tmp, path)  # readers never see half a file
         counts = record.counts.to_dict()
         self.state.record(replace(run, status="exported", output=str(path), counts=counts))
         log.info("schedule %s: slot %s exported to %s (%s)", self.spec.name, run.slot, path, counts)

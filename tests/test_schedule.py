@@ -244,3 +244,25 @@ def test_schedule_command_two_schedulers_restart_and_missed(
     # RQ's tools saw the schedulers (registered and gone again) and the cron job they ran
     assert redis.zscore("rq:cron_jobs", "kevlaya-schedule-tick") is not None
     assert redis.zcard("rq:cron_schedulers") == 0
+
+
+def test_a_redis_outage_does_not_end_the_scheduler(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import socket
+
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from producer.cron import scheduler_for
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = Client(redis=Redis(port=port, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0)))
+    scheduler, _ = scheduler_for(down, _spec(tmp_path))
+    (job,) = scheduler.get_jobs()
+    job.next_enqueue_time = utc()  # due
+    assert scheduler.enqueue_jobs() == [job]  # the slot is logged as not run, and the next one is due next
+    assert job.next_enqueue_time > datetime.now(timezone.utc)
+    scheduler.heartbeat()
+    scheduler.save()
+    assert "not run, redis unavailable" in caplog.text and "heartbeat failed" in caplog.text
