@@ -19,6 +19,7 @@ import glob
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +40,7 @@ from shared.job import Job
 
 log = logging.getLogger("kevlaya.schedule")
 
+NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # part of batch ids (shared.keys.BATCH_ID_RE) and key names
 NAME_CHARS = "letters, digits, '_' and '-'"
 SLOT_CLAIM_TTL_S = 30 * 24 * 3600  # a slot's claim outlives any sensible batch window
 MISSED_LIST_CAP = 1000  # slots enumerated when reporting a long outage (the count beyond is still logged)
@@ -126,7 +128,7 @@ class ScheduleSpec:
     expires_in_s: float = DEFAULT_COMPLETION_WINDOW_S
 
     def __post_init__(self) -> None:
-        if not self.name or len(self.name) > 64 or not self.name.replace("_", "a").replace("-", "a").isalnum():
+        if not NAME_RE.match(self.name):
             raise ValidationError(f"schedule name {self.name!r}: use 1-64 {NAME_CHARS}", field="name")
         if not self.inputs:
             raise ValidationError("a schedule needs at least one --input", field="input")

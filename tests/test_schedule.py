@@ -70,6 +70,7 @@ def test_parse_every_refuses(text: str) -> None:
         {"cron": "not cron"},
         {"every_s": 5, "output": "out/{day}.jsonl"},  # unknown template field
         {"every_s": 5, "name": "has space"},
+        {"every_s": 5, "name": "café"},  # a batch id is ASCII
         {"every_s": 5, "inputs": ()},
     ],
 )
