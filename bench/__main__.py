@@ -1,4 +1,4 @@
-"""`python -m bench {engine|nightly|fastpath|mixed|submit|soak|recovery} ...`: the benchmarks (timings only)."""
+"""`python -m bench {engine|nightly|fastpath|mixed|multigpu|submit|soak|recovery} ...`: the benchmarks."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ def main() -> None:
         "fastpath": "bench.fastpath",
         "recovery": "bench.recovery",
         "mixed": "bench.mixed",
+        "multigpu": "bench.multigpu",
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(f"usage: python -m bench {{{'|'.join(commands)}}} [--help]", file=sys.stderr)

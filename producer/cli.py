@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 import time
 from importlib.metadata import EntryPoint, entry_points
@@ -280,6 +281,89 @@ def retry_failed(ctx: click.Context, batch: str) -> None:
     """Run BATCH's failed items again (not cancelled or expired ones)."""
     n = _client(ctx).retry_failed(batch)
     click.echo(f"requeued {n} failed item(s) of {batch}", err=True)
+
+
+@cli.command()
+@click.option(
+    "--cron", "cron_expr", default=None, help="Slots as a cron expression in UTC: '0 2 * * *' is 02:00 daily."
+)
+@click.option("--every", default=None, help="Slots every N s/m/h/d from the epoch (UTC), e.g. 15m; instead of --cron.")
+@click.option("--input", "inputs", multiple=True, help="JSONL files to submit at each slot: a glob (repeatable).")
+@click.option(
+    "--output",
+    default=None,
+    help="Where each slot's results go, a template: {date} (YYYY-MM-DD), {time} (HHMMSS), {slot}, {name}, {batch}.",
+)
+@click.option("--name", default="default", show_default=True, help="Schedule name; part of every slot's batch id.")
+@click.option("--model", type=click.Choice(MODEL_NAMES), default=None, help="Model for lines that name none.")
+@click.option("--no-escalate", is_flag=True, help="Never escalate Laya answers to Kev in these batches.")
+@click.option(
+    "--expires-in",
+    "expires_in_s",
+    type=float,
+    default=DEFAULT_COMPLETION_WINDOW_S,
+    show_default=True,
+    help="Each slot's completion window in seconds.",
+)
+@click.option("--list", "list_", is_flag=True, help="Show the schedules in Redis: last and next slot, runs, missed.")
+@click.option("--json", "as_json", is_flag=True, help="With --list: one JSON object per schedule.")
+@click.pass_context
+def schedule(
+    ctx: click.Context,
+    cron_expr: str | None,
+    every: str | None,
+    inputs: tuple[str, ...],
+    output: str | None,
+    name: str,
+    model: str | None,
+    no_escalate: bool,
+    expires_in_s: float,
+    list_: bool,
+    as_json: bool,
+) -> None:
+    """Run a schedule until stopped: at each slot, submit the files matching --input as one batch (id
+    NAME-<slot>), wait for it, export its results to --output. Slots are claimed in Redis: several
+    schedulers of one schedule run each slot once; slots missed while none ran are reported, not run late.
+    With --list: show the schedules instead."""
+    from producer import schedule as schedules
+
+    client = _client(ctx)
+    if list_:
+        _list_schedules(schedules.overview(client), as_json)
+        return
+    if output is None:
+        raise click.UsageError("--output is required (or --list)")
+    spec = schedules.ScheduleSpec(
+        name=name,
+        cron=cron_expr,
+        every_s=None if every is None else schedules.parse_every(every),
+        inputs=inputs,
+        output=output,
+        model=model,
+        escalate=not no_escalate,
+        expires_in_s=expires_in_s,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from producer.cron import run_schedule
+
+    click.echo(f"schedule {spec.name}: {spec.cadence.describe()}; Ctrl-C or SIGTERM stops it", err=True)
+    run_schedule(client, spec)
+
+
+def _list_schedules(rows: list[dict[str, Any]], as_json: bool) -> None:
+    if not rows and not as_json:
+        click.echo("no schedules in this Redis", err=True)
+    for row in rows:
+        if as_json:
+            click.echo(orjson.dumps(row).decode())
+            continue
+        click.echo(
+            f"{row['name']}: {row['cadence']}, last slot {row['last_slot'] or '-'}, next {row['next_slot'] or '-'}, "
+            f"{row['missed']} missed"
+        )
+        for run in row["runs"]:
+            detail = run.get("output") or run.get("error") or ""
+            click.echo(f"  {run['slot']}  {run['status']:<10}  {run.get('batch') or '-'}  {detail}")
 
 
 def main() -> None:

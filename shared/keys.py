@@ -90,6 +90,10 @@ class Keys:
         """Sorted set: worker name -> last heartbeat timestamp."""
         return f"{self.prefix}w:workers"
 
+    def idle_workers(self) -> str:
+        """Sorted set: workers between takes -> since when (N workers share a queue's tail among the idle ones)."""
+        return f"{self.prefix}w:idle"
+
     def worker_stats(self, name: str) -> str:
         """Hash: counters a worker publishes (batches, jobs, switches, peak memory)."""
         return f"{self.prefix}w:worker:{name}:stats"
@@ -113,6 +117,22 @@ class Keys:
     def first_seen(self, queue_key: str, job_id: str) -> str:
         """String: when an id was first seen in RQ's intermediate list (stuck-job sweep)."""
         return f"{self.prefix}w:first-seen:{queue_key}:{job_id}"
+
+    def schedules(self) -> str:
+        """Set: names of the schedules `kevlaya schedule` has run (for `kevlaya schedule --list`)."""
+        return f"{self.prefix}schedules"
+
+    def schedule(self, name: str) -> str:
+        """Hash: a schedule's spec (JSON), its last slot run and the batch of it."""
+        return f"{self.prefix}schedule:{name}"
+
+    def schedule_runs(self, name: str) -> str:
+        """Hash: slot stamp (UTC, sortable) -> JSON record of that slot's run, or of its being missed."""
+        return f"{self.prefix}schedule:{name}:runs"
+
+    def schedule_slot(self, name: str, stamp: str) -> str:
+        """String, SET NX: the scheduler that runs this slot (two schedulers of one schedule: one run per slot)."""
+        return f"{self.prefix}schedule:{name}:slot:{stamp}"
 
     def batch_keys(self, batch: str) -> list[str]:
         return [

@@ -74,6 +74,13 @@ def setup_logging(level: str) -> None:
     multiple=True,
     help="URL prefix a batch's completion notice may be POSTed to (repeatable; none: no POSTs).",
 )
+@click.option(
+    "--gpus",
+    default=None,
+    help="`all` or a list like 0,1: one worker process per GPU under this one (CUDA_VISIBLE_DEVICES each, named "
+    "NAME-gpuID, metrics on port N+i); signals are forwarded, a crashed worker restarted (3 times in 10 min, then "
+    "the others are stopped and the exit is non-zero). The workers share a queue's tail among those idle.",
+)
 @click.option("--log-level", default="info", show_default=True)
 @click.pass_context
 def worker_command(
@@ -92,16 +99,19 @@ def worker_command(
     job_heartbeat_ttl_s: float,
     metrics_port: int | None,
     notify_allow: tuple[str, ...],
+    gpus: str | None,
     log_level: str,
 ) -> None:
     """Run the batch worker: load the models once, then drain the Kev and Laya queues in batches."""
+    setup_logging(log_level)
+    obj = ctx.obj or {}
+    if gpus is not None:
+        sys.exit(_supervise(ctx, gpus))
     from worker.config import load_config
     from worker.engine import Engine
     from worker.loop import BatchWorker
     from worker.settings import WorkerSettings
 
-    setup_logging(log_level)
-    obj = ctx.obj or {}
     try:
         config = load_config(config_path)
         budget = parse_bytes(memory_budget) if memory_budget else None
@@ -127,3 +137,52 @@ def worker_command(
         notify_allow=notify_allow,
     )
     BatchWorker(connect(obj.get("redis_url"), socket_timeout_s=60), engine, config, settings).work()
+
+
+# Options the parent sets per child (or handles itself) instead of passing them on as given.
+PER_CHILD = frozenset({"gpus", "name", "device", "metrics_port"})
+
+
+def _supervise(ctx: click.Context, gpus: str) -> int:
+    """`--gpus`: one child `kevlaya worker` per GPU with this command's other options (worker.supervisor)."""
+    import os
+
+    from worker.settings import worker_name
+    from worker.supervisor import Supervisor, child_specs, parse_gpus
+
+    params = ctx.params
+    if params["device"] not in (None, "cuda"):
+        raise click.UsageError(f"--gpus picks the devices: drop --device {params['device']}")
+    try:
+        chosen = parse_gpus(gpus, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+        base = worker_name(params["name"])
+    except KevlayaError as exc:
+        raise click.ClickException(str(exc)) from exc
+    obj = ctx.obj or {}
+    redis_url = obj.get("redis_url")
+    children = child_specs(
+        chosen,
+        base_name=base,
+        worker_args=_passed_on(ctx),
+        global_args=["--prefix", obj.get("prefix", DEFAULT_PREFIX)],
+        metrics_port=params["metrics_port"],
+        env={"REDIS_URL": redis_url} if redis_url else None,  # not in argv, where `ps` shows a password
+    )
+    return Supervisor(children).run()
+
+
+def _passed_on(ctx: click.Context) -> list[str]:
+    """This command's options as given, as arguments for a child (those in PER_CHILD left out)."""
+    args: list[str] = []
+    for param in ctx.command.params:
+        if not isinstance(param, click.Option) or param.name in PER_CHILD:
+            continue
+        value, flag = ctx.params[param.name], param.opts[0]
+        if param.is_flag:
+            args += [flag] if value else []
+        elif param.multiple:
+            for v in value:
+                args += [flag, str(v)]
+        elif value is not None:
+            args += [flag, str(value)]
+    return args

@@ -37,6 +37,7 @@ from worker.rqcompat import RQBridge
 from worker.settings import WorkerSettings, worker_name
 from worker.settle import Row, Settler, dead_letter, outputs_tokens
 from worker.stats import PUBLISH_EVERY_BATCHES, BatchFacts, WorkerStats
+from worker.tail import tail_take
 from worker.versions import model_versions
 
 log = logging.getLogger("kevlaya.worker")
@@ -218,7 +219,7 @@ class BatchWorker:
         self._suspect_turn = group is None
         if group is not None:
             return Take([Row(model, r) for r in group.jobs], dead=group.dead)
-        limit = self.engine.capacity(model)
+        limit = tail_take(self.engine.capacity(model), queued, idle_peers=self.presence.taking())
         rows = [Row(model, r) for r in self.bridge.load(self.bridge.take(model, limit, ttl_s=ttl))]
         for other in self._tail_models(model, len(rows), limit, states):
             room = limit - len(rows)

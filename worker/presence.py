@@ -4,6 +4,7 @@ idle/busy state and counts, and its death when it stops."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -66,16 +67,35 @@ class Presence:
         rq_worker = self.wait_for_redis(lambda: self.bridge.make_rq_worker(ttl))
         self.wait_for_redis(lambda: self.bridge.register(rq_worker, worker_ttl_s=ttl))
         self.rq_worker = rq_worker
-        self.bridge.report(rq_worker, busy=False)
+        self.report(busy=False)
         # RQ's birth gives the worker key worker_ttl + 60 s; beat once now, so a crash right after start is
         # noticed within worker_ttl, not a minute later.
         self.wait_for_redis(lambda: rq_worker.heartbeat(ttl))
+        self.redis.zadd(self.keys.workers(), {self.bridge.worker_name: time.time()})  # peers count it at once
         self._beat = threading.Thread(target=self._heartbeat_loop, daemon=True, name="heartbeat")
         self._beat.start()
 
     def report(self, *, busy: bool, ok: int = 0, failed: int = 0, seconds: float = 0.0) -> None:
         if self.rq_worker is not None:
             self.bridge.report(self.rq_worker, busy=busy, ok=ok, failed=failed, seconds=seconds)
+            name, idle = self.bridge.worker_name, self.keys.idle_workers()
+            # A key of another type there only turns tail sharing off (worker.tail) until it is a sorted set again.
+            with contextlib.suppress(redis.exceptions.ResponseError):
+                self.redis.zrem(idle, name) if busy else self.redis.zadd(idle, {name: time.time()})
+
+    def taking(self) -> int:
+        """This worker is about to take: it leaves the idle set (in the same round trip, so a peer deciding now
+        does not count it) and gets how many other live workers are between takes, about to take too
+        (worker.tail). `report(busy=False)` after the batch puts it back."""
+        try:
+            with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zrem(self.keys.idle_workers(), self.bridge.worker_name)
+                pipe.zrangebyscore(self.keys.workers(), time.time() - self.settings.worker_ttl_s, "+inf")
+                pipe.zrange(self.keys.idle_workers(), 0, -1)
+                _, live, idle = pipe.execute()
+        except redis.exceptions.ResponseError:
+            return 0
+        return len((set(live) & set(idle)) - {self.bridge.worker_name.encode()})
 
     def leave(self) -> None:
         """After `stop` is set: the heartbeat ends and the death is registered (if Redis answers)."""
@@ -84,6 +104,7 @@ class Presence:
         if self.rq_worker is None:
             return
         try:
+            self.redis.zrem(self.keys.idle_workers(), self.bridge.worker_name)
             self.rq_worker.register_death()
         except redis.exceptions.RedisError:
             log.warning("could not register death (redis unavailable)")
