@@ -113,7 +113,7 @@ def test_gpus_spawns_one_named_worker_per_gpu_with_the_same_options(tmp_path: Pa
         assert "--burst" in argv and "--no-compile" in argv and "--no-mixed-tails" not in argv
         assert [argv[i + 1] for i, a in enumerate(argv) if a == "--notify-allow"] == ["http://a/", "http://b/"]
         assert argv[argv.index("--config") + 1] == "models.toml"
-        assert argv[argv.index("--max-wait-ms") + 1] == "2000"  # defaults travel too
+        assert argv[argv.index("--max-wait-ms") + 1] == "10000"  # defaults travel too
 
 
 def test_gpus_refuses_a_device(fake_child: Path) -> None:
