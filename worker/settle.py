@@ -202,6 +202,7 @@ class Settler:
             confidence=out.confidence,
             raw_confidence=out.raw_confidence,
             choices=out.choices,
+            logprobs=out.logprobs,
             usage={"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens}
             if out.error is None
             else {},
