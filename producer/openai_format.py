@@ -2,7 +2,8 @@
 and results become OpenAI batch output and error lines.
 
 Every body field is honoured or refused with a message naming it (the caller adds the line number); a
-`model` name maps to kev/laya through a model map (`--model-map gpt-4o-mini=laya`).
+`model` name maps to kev/laya through a model map (`--model-map gpt-4o-mini=laya`). A chat line's `logprobs` /
+`top_logprobs` come back as the output's `choices[0].logprobs.content` (per generated token, OpenAI's shape).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ COMPLETIONS_URL = "/v1/completions"
 # Body fields taken as they are, or mapped; anything else is refused.
 _DIRECT = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "metadata": "meta"}
 _LIMITS = ("max_completion_tokens", "max_tokens")
+# Chat lines: per-token logprobs (returned as `choices[0].logprobs.content`); validated as job fields.
+_CHAT_LOGPROBS = ("logprobs", "top_logprobs")
 # Fields whose neutral value changes nothing, so accepting it is honest; any other value is refused.
 _NEUTRAL = {"n": (1,), "stream": (False,), "logprobs": (False, None), "stop": (None, [], "")}
 # kevlaya's own job fields may ride along in the body (choices, escalate, truncate).
@@ -74,6 +77,9 @@ def from_openai(line: dict[str, Any], *, model_map: Mapping[str, str] | None = N
             job[_DIRECT[key]] = value
         elif key in _KEVLAYA:
             job[key] = value
+        elif key in _CHAT_LOGPROBS and url == CHAT_URL:
+            if value is not None:
+                job[key] = value
         elif (key in _NEUTRAL and value in _NEUTRAL[key]) or (
             key == "response_format" and value in ({"type": "text"}, None)
         ):
@@ -151,6 +157,7 @@ def to_openai(row: dict[str, Any], *, url: str = CHAT_URL) -> tuple[dict[str, An
         text = row["decision"]  # a choices job: the chosen label
     created = int(time.time())
     finish = "length" if row.get("truncated") else "stop"
+    logprobs = row.get("logprobs")
     if url == COMPLETIONS_URL:
         body: dict[str, Any] = {
             "id": f"cmpl-{job_id}",
@@ -166,7 +173,7 @@ def to_openai(row: dict[str, Any], *, url: str = CHAT_URL) -> tuple[dict[str, An
                     "index": 0,
                     "message": {"role": "assistant", "content": text or ""},
                     "finish_reason": finish,
-                    "logprobs": None,
+                    "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
                 }
             ],
         }

@@ -47,9 +47,12 @@ USER_FIELDS = frozenset(
         "top_p",
         "top_k",
         "seed",
+        "logprobs",
+        "top_logprobs",
         "meta",
     }
 )
+MAX_TOP_LOGPROBS = 5
 SYSTEM_FIELDS = frozenset({"parent", "batch"})
 
 
@@ -83,6 +86,8 @@ class Job:
     top_p: float = 1.0  # with temperature > 0: sample from the smallest set of tokens reaching this probability
     top_k: int = 0  # with temperature > 0: sample from the k most likely tokens (0: no cut)
     seed: int | None = None
+    logprobs: bool = False  # each generated token's log-probability in the result (OpenAI-shaped)
+    top_logprobs: int = 0  # with logprobs: also the this-many most likely tokens at each position (0-5)
     meta: Any = None
     batch: str | None = None
     parent: Parent | None = None
@@ -93,9 +98,9 @@ class Job:
         """The JSON-ready payload, without fields left at their empty defaults."""
         out: dict[str, Any] = {}
         for key, value in asdict(self).items():
-            if value is None or (key == "truncate" and value is False):
+            if value is None or (key in ("truncate", "logprobs") and value is False):
                 continue
-            if (key, value) in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0)):
+            if (key, value) in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("top_logprobs", 0)):
                 continue
             out[key] = list(value) if key == "choices" else value
         return out
@@ -136,6 +141,7 @@ class Job:
                 f"unsupported schema version v={version!r} (this kevlaya speaks v={SCHEMA_VERSION})", field="v"
             )
         prompt, input_fields = _prompt_and_input(obj, limits)
+        logprobs, top_logprobs = _logprobs(obj)
         return cls(
             custom_id=_custom_id(obj.get("custom_id"), limits),
             model=_model(obj.get("model", default_model)),
@@ -149,6 +155,8 @@ class Job:
             top_p=_top_p(obj.get("top_p", 1.0)),
             top_k=_top_k(obj.get("top_k", 0)),
             seed=_seed(obj.get("seed")),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             meta=_meta(obj.get("meta"), limits),
             batch=_optional_str(obj.get("batch"), "batch"),
             parent=_parent(obj.get("parent")),
@@ -279,6 +287,24 @@ def _seed(value: Any) -> int | None:
     if not _int(value) or not 0 <= value < 2**63:
         raise ValidationError(f"'seed' must be a non-negative integer, got {value!r}", field="seed")
     return value
+
+
+def _logprobs(obj: dict[str, Any]) -> tuple[bool, int]:
+    """(`logprobs`, `top_logprobs`): `top_logprobs` only with `"logprobs": true`, and only for generated answers."""
+    logprobs = _bool(obj.get("logprobs", False), "logprobs")
+    top = obj.get("top_logprobs")
+    if top is not None and (not _int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise ValidationError(
+            f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}", field="top_logprobs"
+        )
+    if top is not None and not logprobs:
+        raise ValidationError("'top_logprobs' needs \"logprobs\": true", field="top_logprobs")
+    if logprobs and obj.get("choices") is not None:
+        raise ValidationError(
+            "'logprobs' is for generated answers; a 'choices' job already returns each choice's probability",
+            field="logprobs",
+        )
+    return logprobs, top or 0
 
 
 def _meta(value: Any, limits: Limits) -> Any:

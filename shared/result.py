@@ -19,6 +19,31 @@ class ErrorInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TopLogprob:
+    """One of the most likely tokens at a position (OpenAI's `top_logprobs` entry)."""
+
+    token: str  # its text; bytes that are not whole UTF-8 characters appear as \xNN escapes
+    logprob: float
+    bytes: list[int] | None = None  # its UTF-8 bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenLogprob:
+    """One generated token (OpenAI's `choices[].logprobs.content` entry): its log-probability under the model's
+    own distribution (before temperature, top-p and top-k) and, when asked, the most likely tokens there."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> TokenLogprob:
+        top = [TopLogprob(**t) for t in obj.get("top_logprobs") or ()]
+        return cls(**{**obj, "top_logprobs": top})
+
+
+@dataclass(frozen=True, kw_only=True)
 class Result:
     """What the worker writes back for one job.
 
@@ -39,6 +64,7 @@ class Result:
     confidence: float | None = None
     raw_confidence: float | None = None
     choices: dict[str, float] | None = None
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when the job asked (`logprobs: true`)
     usage: dict[str, int] = field(default_factory=dict)
     max_new_tokens: int | None = None  # the generation limit that applied (a follow-up: its own model's)
     escalated_to: str | None = None
@@ -66,6 +92,8 @@ class Result:
         data = dict(obj)
         if isinstance(data.get("error"), dict):
             data["error"] = ErrorInfo(**data["error"])
+        if isinstance(data.get("logprobs"), list):
+            data["logprobs"] = [TokenLogprob.from_dict(t) for t in data["logprobs"]]
         return cls(**data)
 
     @classmethod

@@ -55,3 +55,14 @@ def test_escalation_rule(text: str, confidence: float, job, batch_off: bool, esc
 
 def test_kev_never_escalates() -> None:
     assert escalation_reason(None, text="not sure", confidence=0.0, job_setting=None, batch_off=False) is None
+
+
+def test_a_follow_up_keeps_the_items_logprobs_request() -> None:
+    """The final answer of an escalated item is Kev's: it carries the logprobs the item asked for."""
+    from shared.job import Job
+    from shared.result import Result
+    from worker.followups import follow_up
+
+    job = Job(custom_id="a", model="laya", prompt="p", logprobs=True, top_logprobs=2)
+    entry = follow_up(job, Result(custom_id="a", model="laya", job_id="j1", text="not sure"), "kev")
+    assert (entry.job.model, entry.job.logprobs, entry.job.top_logprobs) == ("kev", True, 2)

@@ -59,3 +59,29 @@ def test_a_replayed_graph_reads_the_stop_ids_of_its_own_state(tiny_models: Path)
     del junk
     assert decoder.captures == captured  # replayed, not captured again
     assert torch.equal(second, first)
+
+
+def test_logprobs_from_a_replayed_graph_match_hf_generate(tiny_models: Path) -> None:
+    """Rows asking for logprobs on captured graphs (their slots owned by the graph's state) record what HF
+    generate's scores give, replay after replay; the rows that do not ask are untouched by them."""
+    from bench.fastpath import TokenRecorder
+    from shared.job import Job
+
+    config = tiny_config(tiny_models, "none", laya_new=16)
+    graphs = TokenRecorder(config, device="cuda", decode="auto")
+    eager = TokenRecorder(config, device="cuda", decode="eager", bases=graphs.bases)
+    prompts = ["Approve a loan of 12000?", "Income 52000, debt low.", "x"]
+    jobs = [
+        Job(custom_id=f"j{i}", model="laya", prompt=p, logprobs=i != 1, top_logprobs=3 * (i != 1))
+        for i, p in enumerate(prompts)
+    ]
+    want = eager.run(jobs)
+    for _ in range(2):  # captured, then replayed
+        got = graphs.run(jobs)
+        for job, a, b in zip(jobs, got, want, strict=True):
+            assert graphs.tokens[job.custom_id] == eager.tokens[job.custom_id]
+            assert (a.logprobs is None) == (b.logprobs is None) == (not job.logprobs)
+            for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
+                assert x.bytes == y.bytes and x.logprob == pytest.approx(y.logprob, abs=1e-3)
+                assert [t.bytes for t in x.top_logprobs] == [t.bytes for t in y.top_logprobs]
+    assert graphs.decoders["default"].use_graphs

@@ -33,6 +33,13 @@ BASE = {"custom_id": "a", "model": "laya", "prompt": "Approve this loan?"}
         ({"top_p": 1.5}, "top_p", "in (0, 1]"),
         ({"top_k": -1}, "top_k", "from 0"),
         ({"top_k": 2.5}, "top_k", "from 0"),
+        ({"logprobs": 1}, "logprobs", "true or false"),
+        ({"logprobs": True, "top_logprobs": 6}, "top_logprobs", "from 0 to 5"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "from 0 to 5"),
+        ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs", "from 0 to 5"),
+        ({"top_logprobs": 3}, "top_logprobs", 'needs "logprobs": true'),
+        ({"logprobs": False, "top_logprobs": 0}, "top_logprobs", 'needs "logprobs": true'),
+        ({"logprobs": True, "choices": ["yes", "no"]}, "logprobs", "generated answers"),
         ({"v": 2}, "v", "unsupported schema version"),
         ({"parent": {"job_id": "x"}}, "parent", "unknown field"),
     ],
@@ -69,6 +76,15 @@ def test_sampling_fields_round_trip_and_defaults_stay_out_of_the_payload() -> No
     assert (job.top_p, job.top_k) == (0.9, 40)
     plain = Job.from_dict(BASE)
     assert "top_p" not in plain.to_dict() and "top_k" not in plain.to_dict()
+
+
+def test_logprobs_fields_round_trip_and_defaults_stay_out_of_the_payload() -> None:
+    job = Job.from_dict({**BASE, "logprobs": True, "top_logprobs": 5})
+    assert (job.logprobs, job.top_logprobs) == (True, 5)
+    assert Job.from_json(job.to_json()) == job
+    only = Job.from_dict({**BASE, "logprobs": True})
+    assert only.top_logprobs == 0 and "top_logprobs" not in only.to_dict()
+    assert "logprobs" not in Job.from_dict(BASE).to_dict()
 
 
 def test_input_fields_instead_of_prompt() -> None:

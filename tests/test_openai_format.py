@@ -60,12 +60,24 @@ def test_model_names_map_through_the_model_map() -> None:
     assert "unknown model 'gpt-4o-mini'" in str(info.value.errors[0])
 
 
+def test_chat_logprobs_become_job_fields_and_completions_lines_still_refuse_them() -> None:
+    body = {"model": "laya", "messages": [{"role": "user", "content": "x"}]}
+    job = one(body | {"logprobs": True, "top_logprobs": 3})
+    assert (job.logprobs, job.top_logprobs) == (True, 3)
+    assert not one(body | {"logprobs": False, "top_logprobs": None}).logprobs
+    for extra, fragment in (({"logprobs": 2}, "'body.logprobs'"), ({"top_logprobs": 1}, "'body.top_logprobs'")):
+        with pytest.raises(SubmissionError) as info:
+            parse_lines([line({"model": "laya", "prompt": "x"} | extra, url="/v1/completions")])
+        assert fragment in str(info.value.errors[0])
+
+
 @pytest.mark.parametrize(
     ("body", "fragment"),
     [
         ({"n": 2}, "'body.n' = 2"),
         ({"stop": ["\n"]}, "'body.stop'"),
-        ({"logprobs": True}, "'body.logprobs'"),
+        ({"logprobs": True, "top_logprobs": 6}, "'top_logprobs' must be an integer from 0 to 5"),
+        ({"top_logprobs": 2}, "'top_logprobs' needs \"logprobs\": true"),
         ({"top_p": 1.5}, "top_p"),
         ({"response_format": {"type": "json_object"}}, "'body.response_format'"),
         ({"tools": []}, "'body.tools'"),
@@ -89,6 +101,7 @@ def test_output_lines_parse_with_the_openai_types(client: Client, redis: Redis, 
         [
             line({"model": "laya", "messages": [{"role": "user", "content": "ok"}]}, "good"),
             line({"model": "laya", "messages": [{"role": "user", "content": "POISON? no: fails"}]}, "bad"),
+            line({"model": "laya", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "lp"),
         ]
     )
     runner = CliRunner()
@@ -96,22 +109,37 @@ def test_output_lines_parse_with_the_openai_types(client: Client, redis: Redis, 
 
     class FailsBad(FakeEngine):
         def run(self, jobs, *, time_limit_s=None):
+            from dataclasses import replace
+
+            from shared.result import TokenLogprob, TopLogprob
             from worker.outputs import RowOutput
 
-            return [RowOutput.failed("internal", "boom") if j.custom_id == "bad" else self._answer(j) for j in jobs]
+            entry = TokenLogprob(
+                token="ans", logprob=-0.25, bytes=list(b"ans"), top_logprobs=[TopLogprob(token="ans", logprob=-0.25)]
+            )
+            return [
+                RowOutput.failed("internal", "boom")
+                if j.custom_id == "bad"
+                else replace(self._answer(j), logprobs=[entry] if j.logprobs else None)
+                for j in jobs
+            ]
 
     BatchWorker(redis, FailsBad(), FAKE_CONFIG, WorkerSettings(burst=True)).work()
     out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     args = ["--redis-url", redis_url, "results", batch, "--format", "openai", "-o", str(out), "--errors", str(err)]
     assert runner.invoke(cli, args).exit_code == 0
-    (good,) = [orjson.loads(x) for x in out.read_bytes().splitlines()]
+    good, lp = [orjson.loads(x) for x in out.read_bytes().splitlines()]
     (bad,) = [orjson.loads(x) for x in err.read_bytes().splitlines()]
     assert good["custom_id"] == "good" and good["error"] is None and good["response"]["status_code"] == 200
     completion = ChatCompletion.model_validate(good["response"]["body"])
     assert completion.choices[0].message.content == "answer to good"
+    assert completion.choices[0].logprobs is None
     assert completion.usage is not None and completion.usage.total_tokens == 5
+    content = ChatCompletion.model_validate(lp["response"]["body"]).choices[0].logprobs.content
+    assert [(t.token, t.logprob, t.bytes) for t in content] == [("ans", -0.25, list(b"ans"))]
+    assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [("ans", -0.25)]
     assert bad["custom_id"] == "bad" and bad["response"] is None and bad["error"]["code"] == "internal"
     args[5] = "openai-completions"
     assert runner.invoke(cli, args).exit_code == 0
-    (good,) = [orjson.loads(x) for x in out.read_bytes().splitlines()]
+    good, _ = [orjson.loads(x) for x in out.read_bytes().splitlines()]
     assert Completion.model_validate(good["response"]["body"]).choices[0].text == "answer to good"

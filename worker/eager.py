@@ -12,6 +12,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 
 from shared.job import Job
 from worker.fastpath import Decoded, left_pad
+from worker.fastpath.logprobs import TOP_LOGPROBS, RowLogprobs
 from worker.rows import BaseCall, Item
 
 
@@ -22,7 +23,7 @@ def generate_eager(call: BaseCall, items: list[Item]) -> Decoded:
     input_ids, mask = left_pad([it.ids for it in items], tok.pad_token_id, call.device)
     prompt_len = input_ids.shape[1]
     limits = torch.tensor([it.max_new for it in items], device=call.device)
-    recorder = StepRecorder(len(items), call.stop_ids[0])
+    recorder = StepRecorder(len(items), call.stop_ids[0], asking=[i for i, it in enumerate(items) if it.job.logprobs])
     job = items[0].job
     gen_config = GenerationConfig(
         max_new_tokens=int(limits.max()),
@@ -48,7 +49,9 @@ def generate_eager(call: BaseCall, items: list[Item]) -> Decoded:
     generated = out[:, prompt_len:]
     logprobs = recorder.finish(generated)
     cut_short = call.deadline is not None and time.monotonic() >= call.deadline
-    return Decoded(tokens=generated, logprobs=logprobs, bad=recorder.bad, cut_short=cut_short)
+    return Decoded(
+        tokens=generated, logprobs=logprobs, bad=recorder.bad, cut_short=cut_short, reported=recorder.reported(logprobs)
+    )
 
 
 def sampling_params(job: Job) -> tuple[Any, ...]:
@@ -61,13 +64,18 @@ def sampling_params(job: Job) -> tuple[Any, ...]:
 class StepRecorder(LogitsProcessor):
     """Records the log-probability of each token actually chosen, one step late (the next call's
     `input_ids` reveal the previous choice), keeping only one step of full-vocabulary scores.
-    Rows with non-finite logits are flagged and forced to end, so their batch-mates carry on."""
+    Rows with non-finite logits are flagged and forced to end, so their batch-mates carry on.
+    HF applies temperature, top-p and top-k after the processors it is given: these are the model's own
+    log-probabilities. For the `asking` rows (a job's `logprobs`) it also keeps each step's most likely tokens."""
 
-    def __init__(self, batch: int, end_id: int) -> None:
+    def __init__(self, batch: int, end_id: int, *, asking: list[int] | None = None) -> None:
         self.prev: torch.Tensor | None = None
         self.chosen: list[torch.Tensor] = []
         self.bad = torch.zeros(batch, dtype=torch.bool)
         self.end_id = end_id
+        self.asking = asking or []
+        self._asking: torch.Tensor | None = None  # `asking` on the scores' device
+        self.top: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step: (values, ids), (asking, TOP_LOGPROBS)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         finite = torch.isfinite(scores).all(dim=-1)
@@ -80,6 +88,10 @@ class StepRecorder(LogitsProcessor):
         if self.prev is not None:
             self.chosen.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
         self.prev = logp
+        if self.asking:
+            if self._asking is None:
+                self._asking = torch.tensor(self.asking, dtype=torch.long, device=logp.device)
+            self.top.append(logp.index_select(0, self._asking).topk(TOP_LOGPROBS, dim=-1))
         return scores
 
     def finish(self, generated: torch.Tensor) -> torch.Tensor:
@@ -89,6 +101,19 @@ class StepRecorder(LogitsProcessor):
         if not self.chosen:
             return torch.zeros((generated.shape[0], 0))
         return torch.stack(self.chosen, dim=1).cpu()
+
+    def reported(self, logprobs: torch.Tensor) -> dict[int, RowLogprobs]:
+        """The asking rows' records (`logprobs`: what `finish` returned)."""
+        if not self.asking:
+            return {}
+        steps = logprobs.shape[1]
+        if self.top:
+            values = torch.stack([v for v, _ in self.top], dim=1)[:, :steps].cpu()
+            ids = torch.stack([i for _, i in self.top], dim=1)[:, :steps].cpu()
+        else:
+            values = torch.zeros((len(self.asking), 0, TOP_LOGPROBS))
+            ids = torch.zeros((len(self.asking), 0, TOP_LOGPROBS), dtype=torch.long)
+        return {row: RowLogprobs(logprobs[row], ids[j], values[j]) for j, row in enumerate(self.asking)}
 
 
 class Deadline(StoppingCriteria):

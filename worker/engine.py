@@ -27,7 +27,7 @@ from worker.eager import generate_eager, sampling_params
 from worker.fastpath import Decoded, StaticDecoder, row_bucket
 from worker.loading import LoadedBase, load_all, stop_ids
 from worker.memory import MIB, BatchPlan
-from worker.outputs import RowOutput, generated_output
+from worker.outputs import RowOutput, generated_output, token_bytes
 from worker.packing import OomGuard, pack
 from worker.planner import MemoryBudget
 from worker.prompts import Encoder
@@ -270,6 +270,7 @@ class Engine:
 
     def _row_output(self, call: BaseCall, item: Item, decoded: Decoded, row: int) -> RowOutput:
         """One generated row's output (bench/fastpath.py's TokenRecorder records the row's tokens here)."""
+        reported = decoded.reported.get(row) if item.job.logprobs else None
         return generated_output(
             item,
             decoded.tokens[row],
@@ -279,6 +280,9 @@ class Engine:
             cut_short=decoded.cut_short,
             decode=call.base.tokenizer.decode,
             decision_prefix=self.config.models[item.job.model].decision_prefix,
+            reported=reported,
+            top_logprobs=item.job.top_logprobs,
+            token_bytes=token_bytes(call.base.tokenizer) if reported is not None else None,
         )
 
     def _score(self, items: list[Item]) -> list[RowOutput]:

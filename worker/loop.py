@@ -1,7 +1,7 @@
 """The batch worker: drains the model queues in large same-model batches and never loses a job.
 
 One loop, one `except` boundary per batch. Each pass: recover abandoned jobs (rate-limited, worker.recovery),
-pick a model (worker.policy), take up to N jobs atomically or one suspect group (worker.rqcompat), triage
+pick a model (worker.policy), take up to N jobs atomically or one suspect group (worker.take), triage
 them, run the rest through the engine as one batch, and settle every row (worker.settle): results written,
 escalations enqueued as follow-ups, RQ's registries updated.
 """
@@ -13,7 +13,6 @@ import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import redis.exceptions
@@ -23,7 +22,6 @@ from shared.enqueue import EnqueueSettings
 from shared.errors import INTERNAL
 from shared.job import Job
 from shared.keys import Keys
-from shared.store import BatchFlags
 from worker.config import ModelsConfig
 from worker.faults import maybe_crash
 from worker.followups import prompt_chars
@@ -37,20 +35,12 @@ from worker.rqcompat import RQBridge
 from worker.settings import WorkerSettings, worker_name
 from worker.settle import Row, Settler, dead_letter, outputs_tokens
 from worker.stats import PUBLISH_EVERY_BATCHES, BatchFacts, WorkerStats
-from worker.tail import tail_take
+from worker.take import Take, Taker
 from worker.versions import model_versions
 
 log = logging.getLogger("kevlaya.worker")
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Take:
-    """What one take got: rows to run, or (`dead`) a suspect group to write off."""
-
-    rows: list[Row]
-    dead: bool = False
 
 
 class EngineLike(Protocol):
@@ -95,9 +85,15 @@ class BatchWorker:
         self._in_flight: dict[str, list[str]] = {}
         self._lock = threading.Lock()
         self._last_recovery = 0.0
-        self._suspect_turn = True  # suspect groups and normal takes alternate: neither waits behind the other
         self.presence = Presence(
             redis, self.keys, self.bridge, settings, stop=self._stop, in_flight=self._in_flight_now
+        )
+        self.taker = Taker(
+            self.bridge,
+            config,
+            settings,
+            capacity=lambda model: self.engine.capacity(model),
+            idle_peers=self.presence.taking,
         )
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -211,33 +207,7 @@ class BatchWorker:
         return suspended
 
     def _take(self, model: str, states: dict[str, QueueState], *, suspects: int, queued: int) -> Take:
-        self.bridge.begin_batch()
-        ttl = self.settings.job_heartbeat_ttl_s
-        group = None
-        if suspects and (self._suspect_turn or not queued):
-            group = self.bridge.take_group(model, ttl_s=ttl)
-        self._suspect_turn = group is None
-        if group is not None:
-            return Take([Row(model, r) for r in group.jobs], dead=group.dead)
-        limit = tail_take(self.engine.capacity(model), queued, idle_peers=self.presence.taking())
-        rows = [Row(model, r) for r in self.bridge.load(self.bridge.take(model, limit, ttl_s=ttl))]
-        for other in self._tail_models(model, len(rows), limit, states):
-            room = limit - len(rows)
-            rows += [Row(other, r) for r in self.bridge.load(self.bridge.take(other, room, ttl_s=ttl))]
-        return Take(rows)
-
-    def _tail_models(self, model: str, n: int, limit: int, states: dict[str, QueueState]) -> list[str]:
-        """Models on the same base whose whole queue fits the rest of this take, once this model's queue ends
-        in it (a small tail): mixing them saves a switch for a few rows."""
-        if not self.settings.mixed_tails or n >= limit or states[model].depth > n:
-            return []
-        out, room = [], limit - n
-        for other in self.config.names:
-            depth = states[other].depth
-            if other != model and self.config.shares_base(model, other) and 0 < depth <= room:
-                out.append(other)
-                room -= depth
-        return out
+        return self.taker.take(model, states, suspects=suspects, queued=queued)
 
     def _run_take(self, taken: Take) -> None:
         rows = taken.rows
@@ -271,20 +241,7 @@ class BatchWorker:
             engine_started = time.time()
             outputs = self._run_engine([r.job for r in triage.runnable if r.job is not None])
             engine_s = time.time() - engine_started
-            n = len(triage.runnable)
-            results = [
-                Row(
-                    r.model,
-                    r.raw,
-                    r.job,
-                    self.settler.to_result(
-                        r, out, engine_s=engine_s, batch_size=n, flags=triage.flags.get(r.job.batch or "", BatchFlags())
-                    ),
-                )
-                for r, out in zip(triage.runnable, outputs, strict=True)
-                if r.job is not None
-            ]
-            self._write(results)
+            self._write(self.settler.results(triage, outputs, engine_s=engine_s))
         waits = [started - r.raw.enqueued_at for r in rows if r.raw.enqueued_at]
         facts = BatchFacts(
             models=tuple(sorted({r.model for r in rows})),
@@ -297,12 +254,8 @@ class BatchWorker:
             engine_s=engine_s,
             total_s=time.time() - started,
         )
-        peak = getattr(self.engine, "peak_memory_bytes", lambda: 0)()
-        self.stats.record(facts, peak_memory_bytes=peak)
-        engine_stats = getattr(self.engine, "stats", None)
-        if engine_stats is not None:
-            counted = engine_stats()
-            self.stats.out_of_memory, self.stats.graph_captures = counted.oom, counted.captures
+        self.stats.record(facts, peak_memory_bytes=getattr(self.engine, "peak_memory_bytes", lambda: 0)())
+        self.stats.count_engine(self.engine)
         if self.stats.batches % PUBLISH_EVERY_BATCHES == 0:
             self.stats.publish(self.redis, self.keys, self.name)
 

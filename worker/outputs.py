@@ -9,16 +9,19 @@ decoded from.
 
 from __future__ import annotations
 
+import re
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shared.errors import NON_FINITE_LOGITS, TIMEOUT
-from shared.result import ErrorInfo
+from shared.result import ErrorInfo, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     import torch
 
+    from worker.fastpath.logprobs import RowLogprobs
     from worker.rows import Item
 
 
@@ -29,6 +32,7 @@ class RowOutput:
     confidence: float | None = None
     raw_confidence: float | None = None  # the model's own, when `confidence` was calibrated (worker/calibration.py)
     choices: dict[str, float] | None = None
+    logprobs: list[TokenLogprob] | None = None  # per generated token, for a job that asked (`logprobs`)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: ErrorInfo | None = None
@@ -48,8 +52,12 @@ def generated_output(
     cut_short: bool,
     decode: Callable[..., str],
     decision_prefix: str | None,
+    reported: RowLogprobs | None = None,
+    top_logprobs: int = 0,
+    token_bytes: Callable[[int], bytes] | None = None,
 ) -> RowOutput:
-    """One row's answer from its generated `tokens` (past its end: padding) and each token's log-probability."""
+    """One row's answer from its generated `tokens` (past its end: padding) and each token's log-probability;
+    with `reported` (a job that asked for logprobs), each answer token's entry with `top_logprobs` alternatives."""
     if bad:
         return RowOutput.failed(NON_FINITE_LOGITS, "the model produced NaN/inf logits for this row", len(item.ids))
     all_ids = tokens.tolist()
@@ -65,10 +73,14 @@ def generated_output(
     decision, start, stop = decision_span(ids, decode, decision_prefix)
     span = lps[start:stop] if stop > start else lps[:1]
     confidence = float(span.double().sum().exp()) if span.numel() else None
+    entries = None
+    if reported is not None and token_bytes is not None:
+        entries = token_logprobs(reported, ids, top=top_logprobs, token_bytes=token_bytes)
     return RowOutput(
         text=text,
         decision=decision,
         confidence=confidence,
+        logprobs=entries,
         prompt_tokens=len(item.ids),
         completion_tokens=used,
     )
@@ -99,3 +111,94 @@ def decision_span(
     # `stop` now indexes the token holding the line break (or len(ids)): the span is [start, stop).
     decision = decode(ids[start:stop]).strip() or None
     return decision, start, stop
+
+
+# ---- per-token logprobs (OpenAI's `logprobs.content`) ----------------------------------------------
+def token_logprobs(
+    reported: RowLogprobs, ids: list[int], *, top: int, token_bytes: Callable[[int], bytes]
+) -> list[TokenLogprob]:
+    """An entry per answer token (`ids`: the tokens before the stop), with its `top` most likely alternatives."""
+    n = len(ids)
+    chosen = reported.chosen[:n].tolist()
+    top_ids = reported.top_ids[:n, :top].tolist()
+    top_values = reported.top_logprobs[:n, :top].tolist()
+    return [
+        TokenLogprob(
+            **_token(token_bytes(token)),
+            logprob=logprob,
+            top_logprobs=[
+                TopLogprob(**_token(token_bytes(i)), logprob=v) for i, v in zip(alt_ids, alt_values, strict=True)
+            ],
+        )
+        for token, logprob, alt_ids, alt_values in zip(ids, chosen, top_ids, top_values, strict=True)
+    ]
+
+
+def _token(raw: bytes) -> dict[str, Any]:
+    # A token may hold part of a UTF-8 character: its text shows those bytes as \xNN escapes, `bytes` has them all.
+    return {"token": raw.decode("utf-8", "backslashreplace"), "bytes": list(raw)}
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's (GPT-2's) printable stand-in character for each byte, inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+class TokenBytes:
+    """Each token id's bytes for one tokenizer: byte-level BPE pieces (Qwen, Llama 3, GPT-2) through the byte
+    alphabet, so a token holding part of a character keeps its exact bytes; SentencePiece byte tokens as their
+    byte; added tokens as their text; an id the tokenizer does not have as no bytes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.added = {i: t.content for i, t in added.items()}
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        raw = self._cache.get(token_id)
+        if raw is None:
+            raw = self._bytes(token_id)
+            if len(self._cache) < 1 << 18:
+                self._cache[token_id] = raw
+        return raw
+
+    def _bytes(self, token_id: int) -> bytes:
+        if token_id in self.added:
+            return self.added[token_id].encode("utf-8")
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return b""  # past the tokenizer's vocabulary (a model's padded embedding rows)
+        if self.byte_level and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        if "\u2581" in piece:  # SentencePiece's word-start mark is a space
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return self.tokenizer.decode([token_id]).encode("utf-8")
+
+
+_TOKEN_BYTES: weakref.WeakKeyDictionary[Any, TokenBytes] = weakref.WeakKeyDictionary()
+
+
+def token_bytes(tokenizer: Any) -> TokenBytes:
+    """The tokenizer's TokenBytes, made once."""
+    found = _TOKEN_BYTES.get(tokenizer)
+    if found is None:
+        found = _TOKEN_BYTES[tokenizer] = TokenBytes(tokenizer)
+    return found

@@ -17,6 +17,17 @@ log = logging.getLogger("kevlaya.engine")
 Plan = Callable[..., BatchPlan]  # Engine.plan(model, *, input_tokens, new_tokens, sampled_rows)
 
 
+# A logprob slot (worker/fastpath/logprobs.py) holds its row's log-softmax and top-k's workspace, about 2 fp32
+# vectors over the vocabulary; a sampler slot about 12 (ModelShape.sampling_bytes_per_slot). The plan counts
+# logprob rows as sampler slots at that ratio, rounded up (no logprob rows: nothing).
+LOGPROB_ROWS_PER_SAMPLER_SLOT = 6
+
+
+def logprob_draws(rows: int) -> int:
+    """Logprob rows as the sampler slots the memory plan reserves for them."""
+    return -(-rows // LOGPROB_ROWS_PER_SAMPLER_SLOT)
+
+
 def pack(
     items: list[Item], *, scoring: bool, on_loop: bool, plan: Plan, choice_tokens: Callable[..., int]
 ) -> list[list[Item]]:
@@ -28,7 +39,7 @@ def pack(
     ordered = sorted(items, key=lambda it: len(it.ids))
     chunks: list[list[Item]] = []
     current: list[Item] = []
-    span = new = sampled = 0  # the current chunk's most choice tokens, most new tokens, sampled rows
+    span = new = sampled = asking = 0  # the chunk's most choice tokens, most new tokens, sampled and logprob rows
     for item in ordered:
         longest = len(item.ids)  # ascending order: the newcomer is the longest in the chunk
         item_span = choice_tokens(item.job) if on_loop else 0
@@ -40,14 +51,15 @@ def pack(
             per_item = max(1, len(item.job.choices or ()))
             rows = plan(model, input_tokens=longest + 8, new_tokens=0).max_rows // per_item
         else:
-            draws = sampled + (item.job.temperature > 0)
+            draws = sampled + (item.job.temperature > 0) + logprob_draws(asking + item.job.logprobs)
             rows = plan(model, input_tokens=longest, new_tokens=max(new, item.max_new), sampled_rows=draws).max_rows
         if current and len(current) + 1 > max(1, rows):
             chunks.append(current)
-            current, span, new, sampled = [], 0, 0, 0
+            current, span, new, sampled, asking = [], 0, 0, 0, 0
         current.append(item)
         span, new = max(span, item_span), max(new, item.max_new)
         sampled += not scoring and item.job.temperature > 0
+        asking += not scoring and item.job.logprobs
     if current:
         chunks.append(current)
     return chunks

@@ -202,6 +202,7 @@ class Settler:
             confidence=out.confidence,
             raw_confidence=out.raw_confidence,
             choices=out.choices,
+            logprobs=out.logprobs,
             usage={"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens}
             if out.error is None
             else {},
@@ -216,6 +217,22 @@ class Settler:
         if target is None:
             return result
         return replace(result, final=False, escalated_to=follow_up(job, result, target).job_id)
+
+    def results(self, triage: Triage, outputs: Sequence[RowOutput], *, engine_s: float) -> list[Row]:
+        """The runnable rows with their results (the engine's outputs, index-aligned with `triage.runnable`)."""
+        n = len(triage.runnable)
+        return [
+            Row(
+                r.model,
+                r.raw,
+                r.job,
+                self.to_result(
+                    r, out, engine_s=engine_s, batch_size=n, flags=triage.flags.get(r.job.batch or "", BatchFlags())
+                ),
+            )
+            for r, out in zip(triage.runnable, outputs, strict=True)
+            if r.job is not None
+        ]
 
     def _limit(self, job: Job) -> int | None:
         """The new-token limit the engine applied: the job's, capped by its model's (None for choices)."""

@@ -145,7 +145,12 @@ def generate_static(call: BaseCall, decoder: StaticDecoder, items: list[Item]) -
     """Greedy and sampled rows through the static loop: the same tokens as HF generate gives greedy rows."""
     call.fault("generate", len(items))
     return decoder.decode(
-        [DecodeRow(ids=it.ids, max_new=it.max_new, adapter=it.adapter, sampling=sampling(it.job)) for it in items],
+        [
+            DecodeRow(
+                ids=it.ids, max_new=it.max_new, adapter=it.adapter, sampling=sampling(it.job), logprobs=it.job.logprobs
+            )
+            for it in items
+        ],
         stop_ids=call.stop_ids,
         pad_id=call.base.tokenizer.pad_token_id,
         select=call.adapters,

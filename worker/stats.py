@@ -84,6 +84,13 @@ class WorkerStats:
             facts.generated_tokens / max(facts.engine_s, 1e-9),
         )
 
+    def count_engine(self, engine: Any) -> None:
+        """The engine's own counters (out-of-memory errors survived, graph captures), where it keeps them."""
+        engine_stats = getattr(engine, "stats", None)
+        if engine_stats is not None:
+            counted = engine_stats()
+            self.out_of_memory, self.graph_captures = counted.oom, counted.captures
+
     def count_outcome(self, outcome: str, error_type: str = "") -> None:
         self.outcomes[(outcome, error_type)] += 1
 

@@ -33,7 +33,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ from worker.fastpath.graphs import (
     length_bucket,
     row_bucket,
 )
+from worker.fastpath.logprobs import RowLogprobs
 from worker.fastpath.ops import prefill_attention
 from worker.fastpath.prefill import AdapterSelect, Prefill, adapter_mask
 from worker.fastpath.sampling import Sampling, draw_rows, greedy_choice
@@ -73,6 +74,7 @@ class DecodeRow:
     max_new: int
     adapter: str | None
     sampling: Sampling | None = None  # None: greedy
+    logprobs: bool = False  # record each token's log-probability and the most likely tokens (worker.fastpath.logprobs)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Decoded:
     logprobs: torch.Tensor  # (rows, steps) float32 log-probability of each chosen token
     bad: torch.Tensor  # (rows,) bool: non-finite logits seen while the row was live
     cut_short: bool  # the deadline ended the loop before every row finished
+    reported: dict[int, RowLogprobs] = field(default_factory=dict)  # by row: the rows that asked for logprobs
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -197,13 +200,18 @@ class StaticDecoder:
     def _choose(self, state: State, logits: torch.Tensor) -> None:
         """Greedy choice (or each sampled row's draw) and bookkeeping, all on the device (no host sync): as HF's
         greedy search does it -- argmax of the float32 logits (converted a chunk of rows at a time when no row
-        samples), finished rows emit padding -- plus the chosen token's log-probability and non-finite rows
-        forced to end (flagged, so their batch-mates carry on)."""
-        if state.sampling is None:
+        samples or reports logprobs), finished rows emit padding -- plus the chosen token's log-probability and
+        non-finite rows forced to end (flagged, so their batch-mates carry on)."""
+        logp = None
+        if state.sampling is None and state.reported is None:
             token, logprob, finite = greedy_choice(logits, state.end_id)
         else:
             logits = logits.float()
-            token, logprob, finite = greedy_choice(logits, state.end_id, chunk_rows=logits.shape[0])
+            finite = torch.isfinite(logits).all(dim=-1)
+            token = torch.where(finite, logits.argmax(dim=-1), state.end_id)
+            logp = logits.log_softmax(dim=-1)
+            logprob = logp.gather(1, token.unsqueeze(1)).squeeze(1)
+        if state.sampling is not None:
             # Sampled rows draw from their own distribution (greedy rows keep the argmax above); a non-finite
             # row still ends with `end_id`.
             token, logprob = draw_rows(
@@ -211,6 +219,8 @@ class StaticDecoder:
             )
         state.bad |= ~finite & ~state.finished
         token = torch.where(state.finished, state.pad_id, token)
+        if state.reported is not None:
+            state.reported.record(logp, token, state.step)
         state.tokens.index_copy_(1, state.step, token.unsqueeze(1))
         state.logprobs.index_copy_(1, state.step, logprob.unsqueeze(1))
         state.finished |= torch.isin(token, state.stop) | (state.step + 1 >= state.limits)
@@ -273,6 +283,7 @@ class StaticDecoder:
         width = max(len(r.ids) for r in rows)
         max_new = max(r.max_new for r in rows)
         names = {r.adapter for r in rows}
+        asking = [i for i, r in enumerate(rows) if r.logprobs]
         key = GraphKey(
             rows=row_bucket(n),
             length=length_bucket(width + max_new),
@@ -281,6 +292,7 @@ class StaticDecoder:
             ends=Ends(end_id=stop_ids[0], pad_id=pad_id, stops=tuple(sorted(set(stop_ids)))),
             samplers=sampler_slots(sum(r.sampling is not None for r in rows)),
             filtered=any(r.sampling is not None and r.sampling.filtered for r in rows),
+            logprob_slots=sampler_slots(len(asking)),
         )
         started = time.perf_counter()
         state, replay = self._entry(key)
@@ -308,6 +320,7 @@ class StaticDecoder:
             logprobs=state.logprobs[:n, :steps].to(cpu, copy=True),
             bad=state.bad[:n].to(cpu, copy=True),
             cut_short=cut_short,  # only set while some row is unfinished
+            reported=state.reported.rows(asking, steps) if state.reported is not None else {},
         )
         done = time.perf_counter()
         self.phase_s["setup"] += prefill_at - started  # graph captures included
@@ -373,6 +386,8 @@ class StaticDecoder:
         state.cache_pos.fill_(width - 1)
         if state.sampling is not None:
             state.sampling.reset([r.sampling for r in rows], self.stack.head.out_features)
+        if state.reported is not None:
+            state.reported.reset([i for i, r in enumerate(rows) if r.logprobs])
         for name in mixed_adapters:
             state.adapter_masks[name][:n].copy_(adapter_mask(rows, name, self.dtype, self.device))
             state.adapter_masks[name][n:] = 0.0

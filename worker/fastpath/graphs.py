@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from worker.fastpath.logprobs import LogprobState
 from worker.fastpath.sampling import SamplingState
 
 log = logging.getLogger("kevlaya.fastpath")
@@ -59,6 +60,8 @@ class GraphKey:
     # slots draw, so a few sampled rows among hundreds cost a few rows' worth of sampling work and memory.
     samplers: int = 0
     filtered: bool = False  # some sampled row cuts to top-p / top-k: the step sorts its slots' logits
+    # Logprob slots: the batch's rows that asked for per-token logprobs, bucketed (0: the step records none).
+    logprob_slots: int = 0
 
     @property
     def sampled(self) -> bool:
@@ -96,6 +99,7 @@ class State:
         }
         self.sampling = SamplingState(key.samplers, rows, device) if key.sampled else None
         self.filtered = key.filtered
+        self.reported = LogprobState(key.logprob_slots, length, device) if key.logprob_slots else None
 
 
 class KVPool:
@@ -161,17 +165,19 @@ class GraphCache:
 
     def reusable(self, key: GraphKey, fits: Callable[[int, int], bool]) -> GraphKey:
         """An already captured graph's key that can serve this batch instead of a new capture: the same key but
-        for up to 2x the sampler slots, up to `reuse_slack` x the rows (its extra rows idle along) and up to
-        `length_slack` x the cache
-        length (the extra slots stay masked), whose rows x length the KV pool already holds (`fits`: no memory
-        beyond what is allocated, so no plan is exceeded). A capture costs ~0.5 s on the H200; a step of 256
-        rows costs ~5% more than one of 224, and a few masked columns cost the attention almost nothing."""
+        for up to 2x the sampler (and logprob) slots, up to `reuse_slack` x the rows (its extra rows idle along)
+        and up to `length_slack` x the cache length (the extra slots stay masked), whose rows x length the KV pool
+        already holds (`fits`: no memory beyond what is allocated, so no plan is exceeded). A capture costs ~0.5 s
+        on the H200; a step of 256 rows costs ~5% more than one of 224, and a few masked columns cost the
+        attention almost nothing."""
         fitting = [
             k
             for k in self.entries
-            if replace(k, rows=key.rows, length=key.length, samplers=key.samplers) == key
+            if replace(k, rows=key.rows, length=key.length, samplers=key.samplers, logprob_slots=key.logprob_slots)
+            == key
             and key.rows <= k.rows <= key.rows * self.reuse_slack
             and key.samplers <= k.samplers <= 2 * key.samplers  # spare sampler slots idle (greedy stays greedy)
+            and key.logprob_slots <= k.logprob_slots <= 2 * key.logprob_slots
             and key.length <= k.length <= key.length * self.length_slack
             and fits(k.rows, k.length)
         ]

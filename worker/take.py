@@ -1,0 +1,72 @@
+"""One take: up to the engine's capacity of one model's jobs, taken atomically (worker.rqcompat), topped up with
+the small tails of models on the same base; or one suspect group (worker.recovery), in turns with normal takes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from worker.config import ModelsConfig
+from worker.policy import QueueState
+from worker.rqcompat import RQBridge
+from worker.settings import WorkerSettings
+from worker.settle import Row
+from worker.tail import tail_take
+
+
+@dataclass(frozen=True)
+class Take:
+    """What one take got: rows to run, or (`dead`) a suspect group to write off."""
+
+    rows: list[Row]
+    dead: bool = False
+
+
+class Taker:
+    """Takes jobs for the loop; `capacity(model)` is the engine's rows per batch, `idle_peers()` how many other
+    workers on this Redis are between takes now (the tail of a queue is shared with them: worker.tail)."""
+
+    def __init__(
+        self,
+        bridge: RQBridge,
+        config: ModelsConfig,
+        settings: WorkerSettings,
+        *,
+        capacity: Callable[[str], int],
+        idle_peers: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.bridge = bridge
+        self.config = config
+        self.settings = settings
+        self.capacity = capacity
+        self.idle_peers = idle_peers
+        self.suspect_turn = True  # suspect groups and normal takes alternate: neither waits behind the other
+
+    def take(self, model: str, states: dict[str, QueueState], *, suspects: int, queued: int) -> Take:
+        self.bridge.begin_batch()
+        ttl = self.settings.job_heartbeat_ttl_s
+        group = None
+        if suspects and (self.suspect_turn or not queued):
+            group = self.bridge.take_group(model, ttl_s=ttl)
+        self.suspect_turn = group is None
+        if group is not None:
+            return Take([Row(model, r) for r in group.jobs], dead=group.dead)
+        limit = tail_take(self.capacity(model), queued, idle_peers=self.idle_peers())
+        rows = [Row(model, r) for r in self.bridge.load(self.bridge.take(model, limit, ttl_s=ttl))]
+        for other in self._tail_models(model, len(rows), limit, states):
+            room = limit - len(rows)
+            rows += [Row(other, r) for r in self.bridge.load(self.bridge.take(other, room, ttl_s=ttl))]
+        return Take(rows)
+
+    def _tail_models(self, model: str, n: int, limit: int, states: dict[str, QueueState]) -> list[str]:
+        """Models on the same base whose whole queue fits the rest of this take, once this model's queue ends
+        in it (a small tail): mixing them saves a switch for a few rows."""
+        if not self.settings.mixed_tails or n >= limit or states[model].depth > n:
+            return []
+        out, room = [], limit - n
+        for other in self.config.names:
+            depth = states[other].depth
+            if other != model and self.config.shares_base(model, other) and 0 < depth <= room:
+                out.append(other)
+                room -= depth
+        return out
