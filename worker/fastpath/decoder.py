@@ -111,6 +111,37 @@ def causal_lm(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def choose_tokens(state: State, logits: torch.Tensor) -> None:
+    """Greedy choice (or each sampled row's draw) and bookkeeping, all on the device (no host sync): as HF's
+    greedy search does it -- argmax of the float32 logits (converted a chunk of rows at a time when no row
+    samples or reports logprobs), finished rows emit padding -- plus the chosen token's log-probability and
+    non-finite rows forced to end (flagged, so their batch-mates carry on)."""
+    logp = None
+    if state.sampling is None and state.reported is None:
+        token, logprob, finite = greedy_choice(logits, state.end_id)
+    else:
+        logits = logits.float()
+        finite = torch.isfinite(logits).all(dim=-1)
+        token = torch.where(finite, logits.argmax(dim=-1), state.end_id)
+        logp = logits.log_softmax(dim=-1)
+        logprob = logp.gather(1, token.unsqueeze(1)).squeeze(1)
+    if state.sampling is not None:
+        # Sampled rows draw from their own distribution (greedy rows keep the argmax above); a non-finite
+        # row still ends with `end_id`.
+        token, logprob = draw_rows(logits, token, logprob, finite, state.sampling, state.step, filtered=state.filtered)
+    state.bad |= ~finite & ~state.finished
+    token = torch.where(state.finished, state.pad_id, token)
+    if state.reported is not None:
+        state.reported.record(logp, token, state.step)
+    state.tokens.index_copy_(1, state.step, token.unsqueeze(1))
+    state.logprobs.index_copy_(1, state.step, logprob.unsqueeze(1))
+    state.finished |= torch.isin(token, state.stop) | (state.step + 1 >= state.limits)
+    state.ids.copy_(token.unsqueeze(1))
+    state.pos += 1
+    state.cache_pos += 1
+    state.step += 1
+
+
 class StaticDecoder:
     """Batched decoding (greedy rows and sampled rows together) over a static KV cache, with CUDA graphs when
     the device is a GPU."""
@@ -197,41 +228,9 @@ class StaticDecoder:
             h, x = s.rest(layer, h, attn, masks, s.next_norm(i))
         return s.head(x)[:, 0]
 
-    def _choose(self, state: State, logits: torch.Tensor) -> None:
-        """Greedy choice (or each sampled row's draw) and bookkeeping, all on the device (no host sync): as HF's
-        greedy search does it -- argmax of the float32 logits (converted a chunk of rows at a time when no row
-        samples or reports logprobs), finished rows emit padding -- plus the chosen token's log-probability and
-        non-finite rows forced to end (flagged, so their batch-mates carry on)."""
-        logp = None
-        if state.sampling is None and state.reported is None:
-            token, logprob, finite = greedy_choice(logits, state.end_id)
-        else:
-            logits = logits.float()
-            finite = torch.isfinite(logits).all(dim=-1)
-            token = torch.where(finite, logits.argmax(dim=-1), state.end_id)
-            logp = logits.log_softmax(dim=-1)
-            logprob = logp.gather(1, token.unsqueeze(1)).squeeze(1)
-        if state.sampling is not None:
-            # Sampled rows draw from their own distribution (greedy rows keep the argmax above); a non-finite
-            # row still ends with `end_id`.
-            token, logprob = draw_rows(
-                logits, token, logprob, finite, state.sampling, state.step, filtered=state.filtered
-            )
-        state.bad |= ~finite & ~state.finished
-        token = torch.where(state.finished, state.pad_id, token)
-        if state.reported is not None:
-            state.reported.record(logp, token, state.step)
-        state.tokens.index_copy_(1, state.step, token.unsqueeze(1))
-        state.logprobs.index_copy_(1, state.step, logprob.unsqueeze(1))
-        state.finished |= torch.isin(token, state.stop) | (state.step + 1 >= state.limits)
-        state.ids.copy_(token.unsqueeze(1))
-        state.pos += 1
-        state.cache_pos += 1
-        state.step += 1
-
     def _step(self, state: State, masks: Masks) -> None:
         state.mask.index_fill_(-1, state.cache_pos, True)  # the slot this step writes is now attended
-        self._choose(state, self._forward(state, masks))
+        choose_tokens(state, self._forward(state, masks))
 
     # ---- graphs ------------------------------------------------------------------------------
     def _entry(self, key: GraphKey) -> tuple[State, Callable[[], None]]:
@@ -299,7 +298,7 @@ class StaticDecoder:
         self._reset(state, rows, width, key.adapters if key.mixed else ())
         prefill_at = time.perf_counter()
         first = self.prefill.run(state.kv, rows, width=width, out_rows=state.rows, pad_id=pad_id, select=select)
-        self._choose(state, first)
+        choose_tokens(state, first)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # one wait per batch, so the phase times below are the GPU's
         decode_at = time.perf_counter()
@@ -374,7 +373,7 @@ class StaticDecoder:
         mask[n:, width - 1] = True
         for i, row in enumerate(rows):
             mask[i, width - len(row.ids) : width] = True
-            pos[i, 0] = len(row.ids) - 1  # _choose advances it to the first generated token's position
+            pos[i, 0] = len(row.ids) - 1  # choose_tokens advances it to the first generated token's position
             limits[i] = row.max_new
             finished[i] = False
         state.mask.copy_(mask.view(bucket, 1, 1, -1))
