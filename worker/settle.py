@@ -2,7 +2,7 @@
 
 A row is carried through the batch as one record (what was taken, its decoded job, its result), so nothing
 is decoded twice. Writes go follow-ups first (one transaction per batch), then results, then RQ's
-bookkeeping (one pipeline per model): a crash in between re-runs a job, never loses one.
+bookkeeping (one pipeline per queue): a crash in between re-runs a job, never loses one.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis.exceptions
@@ -19,7 +19,7 @@ from redis import Redis
 from shared.enqueue import EnqueueSettings, Entry, enqueue_absent, queues_for
 from shared.errors import BAD_PAYLOAD, CANCELLED, EXPIRED, WORKER_DIED, ValidationError
 from shared.job import Job
-from shared.keys import Keys
+from shared.keys import Keys, QueueRef
 from shared.result import Result
 from shared.store import BatchFlags, batch_flags, promote_step, record_results
 from worker.config import ModelsConfig
@@ -38,6 +38,11 @@ class Row:
     raw: RawJob
     job: Job | None = None
     result: Result | None = None
+    lane: str = field(kw_only=True)  # the lane it was taken from: its started entry is in that queue's registry
+
+    @property
+    def ref(self) -> QueueRef:
+        return QueueRef(self.model, self.lane)
 
 
 @dataclass(frozen=True)
@@ -250,15 +255,15 @@ class Settler:
                 log.warning("job %s: %r is not an item of batch %s", row.raw.id, result.custom_id, result.batch)
             elif not outcome and result.final:
                 duplicates += 1  # a second final answer was refused: counted, so tests and operators see it
-        by_model: dict[str, list[tuple[str, str | None]]] = {}
+        by_queue: dict[QueueRef, list[tuple[str, str | None]]] = {}
         for row in rows:
             result = row.result
             error = None if result is None or result.error is None else f"{result.error.type}: {result.error.message}"
-            by_model.setdefault(row.model, []).append((row.raw.id, error))
+            by_queue.setdefault(row.ref, []).append((row.raw.id, error))
         if duplicates:
             self.redis.incrby(self.keys.counter("duplicate_final_results"), duplicates)
-        for model, done in by_model.items():
-            self.bridge.finish(model, done, ttl_s=ttl_s)
+        for ref, done in by_queue.items():
+            self.bridge.finish(ref, done, ttl_s=ttl_s)
         return Written(created, duplicates)
 
 
