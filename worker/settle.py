@@ -21,7 +21,7 @@ from shared.errors import BAD_PAYLOAD, CANCELLED, EXPIRED, WORKER_DIED, Validati
 from shared.job import Job
 from shared.keys import Keys, QueueRef
 from shared.result import Result
-from shared.store import BatchFlags, batch_flags, promote_step, record_results
+from shared.store import BatchFlags, batch_flags, promote_step, record_results, reopen_failed
 from worker.config import ModelsConfig
 from worker.followups import escalates, follow_up
 from worker.outputs import RowOutput
@@ -81,6 +81,7 @@ class Settler:
     def triage(self, taken: Sequence[Row]) -> Triage:
         decoded = [self._decode(row) for row in taken]
         jobs = [row for row in decoded if row.job is not None and row.result is None]
+        self._reopen_requeued(jobs)
         done = self._already_done(jobs)
         flags = self._flags({row.job.batch for row in jobs if row.job and row.job.batch})
         settled: list[Row] = []
@@ -118,6 +119,20 @@ class Settler:
             msg = f"job for {job.model!r} found on the {row.model} queue"
             return replace(row, result=self.failure_from(row, BAD_PAYLOAD, msg))
         return replace(row, job=job)
+
+    def _reopen_requeued(self, rows: Sequence[Row]) -> None:
+        """Jobs recorded as failed and then requeued (`rq requeue`, retry-failed) run again: their failure is
+        taken back from the batch first, so the new run's result is the one recorded."""
+        requeued = [row for row in rows if row.raw.failed_before and row.job is not None]
+        for row in requeued:
+            job = row.job
+            assert job is not None
+            try:
+                if job.batch and reopen_failed(self.redis, self.keys, job.batch, job.custom_id, row.raw.id):
+                    log.info("job %s was requeued after failing: running it again", row.raw.id)
+            except redis.exceptions.ResponseError:
+                pass  # a batch key of the wrong type: writing this job's result refuses it (and quarantines)
+        self.bridge.clear_failed([row.raw.id for row in requeued])
 
     def _already_done(self, rows: Sequence[Row]) -> set[str]:
         """Jobs whose result was written before a crash: a finished job never runs again."""

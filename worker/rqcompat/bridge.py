@@ -21,7 +21,15 @@ from shared.errors import PayloadError
 from shared.keys import Keys, QueueRef, queue_refs
 from shared.quarantine import Quarantine
 from shared.serializer import serializer
-from worker.rqcompat.decode import RawJob, decode_job, parse_rq_time, rq_now, valid_id
+from worker.rqcompat.decode import (
+    CRASHES_FIELD,
+    FAILED_FIELD,
+    RawJob,
+    decode_job,
+    parse_rq_time,
+    rq_now,
+    valid_id,
+)
 from worker.rqcompat.reclaim import Reclaim
 from worker.rqcompat.registration import Registration
 from worker.rqcompat.scripts import _RECOVER_LUA, _REQUEUE_LUA, _TAKE_GROUP_LUA, _TAKE_LUA, _UNSTICK_LUA
@@ -197,11 +205,19 @@ class RQBridge(Registration, Reclaim):
                 if error is None:
                     pipe.zadd(self.finished[ref].key, {job_id: now_s + ttl_s})
                     pipe.hset(key, mapping={"status": "finished", "ended_at": stamp})
+                    pipe.hdel(key, FAILED_FIELD)
                 else:
                     pipe.zadd(self.failed[ref].key, {job_id: now_s + ttl_s})
                     exc = zlib.compress(error.encode("utf-8", "replace"))
-                    pipe.hset(key, mapping={"status": "failed", "ended_at": stamp, "exc_info": exc})
+                    pipe.hset(key, mapping={"status": "failed", "ended_at": stamp, "exc_info": exc, FAILED_FIELD: "1"})
                 pipe.expire(key, ttl_s)
+            pipe.execute(raise_on_error=False)
+
+    def clear_failed(self, ids: Sequence[str]) -> None:
+        """Requeued failures about to run again: no longer marked failed, earlier crashes no longer count."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hdel(RQJob.key_for(job_id), FAILED_FIELD, CRASHES_FIELD)
             pipe.execute(raise_on_error=False)
 
     def cleanup_registries(self) -> None:
