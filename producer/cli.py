@@ -70,7 +70,8 @@ class _LazyGroup(click.Group):
     "--redis-url",
     envvar="REDIS_URL",
     default=None,
-    help="redis://[user:pass@]host:port/db or rediss://… (env REDIS_URL; default localhost:6379/0)",
+    help="redis://[user:pass@]host:port/db, rediss://… or redis+sentinel://[user:pass@]host:port[,host:port]"
+    "/service[/db] (env REDIS_URL; default localhost:6379/0)",
 )
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, help="Prefix of every kevlaya key in Redis.")
 @click.pass_context

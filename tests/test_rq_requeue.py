@@ -3,6 +3,9 @@ really runs it again, and its new result replaces the failure in its batch."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from redis import Redis
 from rq.job import Job as RQJob
@@ -49,7 +52,18 @@ def requeue_without_serializer(client: Client, jid: str, lane: str) -> None:
     FailedJobRegistry(client.queue("laya", lane).name, connection=client.redis).requeue(jid)
 
 
-@pytest.mark.parametrize("requeue", [requeue_by_registry, requeue_by_job, requeue_without_serializer])
+def requeue_by_command(client: Client, jid: str, lane: str) -> None:
+    """The `rq requeue` command itself."""
+    url = "redis://{host}:{port}/{db}".format(**client.redis.connection_pool.connection_kwargs)
+    name = client.queue("laya", lane).name
+    cmd = [sys.executable, "-c", "from rq.cli import main; main()", "requeue", "-u", url, "--queue", name, jid]
+    proc = subprocess.run(cmd, capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "requeue", [requeue_by_registry, requeue_by_job, requeue_without_serializer, requeue_by_command]
+)
 @pytest.mark.parametrize("lane", ["bulk", INTERACTIVE])
 def test_rq_requeue_of_a_failed_job_runs_it_again(client: Client, redis: Redis, requeue, lane: str) -> None:
     items = [
