@@ -85,7 +85,7 @@ def wait_complete(client: Client, batch: str, timeout_s: float = 900) -> None:
 
 
 def in_flight(redis: Redis) -> int:
-    return sum(redis.zcard(f"rq:wip:kevlaya:{m}") for m in ("kev", "laya"))
+    return sum(redis.zcard(f"rq:wip:kevlaya:{q}") for q in ("kev", "laya", "kev:interactive", "laya:interactive"))
 
 
 def reference(client: Client, url: str, config: Path, log: Path, rows: int) -> dict[str, float]:

@@ -82,7 +82,7 @@ class Supervisor:
 
 
 def in_flight(redis: Redis) -> int:
-    return sum(redis.zcard(f"rq:wip:kevlaya:{m}") for m in ("kev", "laya"))
+    return sum(redis.zcard(f"rq:wip:kevlaya:{q}") for q in ("kev", "laya", "kev:interactive", "laya:interactive"))
 
 
 def kill_mid_batch(redis: Redis, sup: Supervisor, rng: random.Random, rows: int) -> bool:

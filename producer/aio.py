@@ -13,13 +13,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import orjson
-from redis import asyncio as aioredis
 
 from producer.client import BatchHandle, Client
-from shared.conn import check_url, redis_url
+from shared.conn import check_url, connect_async, redis_url
 from shared.errors import WaitTimeoutError
 from shared.job import Job
-from shared.keys import DEFAULT_PREFIX, Keys
+from shared.keys import DEFAULT_PREFIX, INTERACTIVE, Keys
 from shared.store import BatchRecord, batch_record, queue_record_reads
 
 
@@ -29,11 +28,13 @@ class AsyncClient:
     def __init__(self, *, url: str | None = None, prefix: str = DEFAULT_PREFIX, **client_kw: Any) -> None:
         url = check_url(redis_url(url))
         self.sync = Client(redis_url=url, prefix=prefix, **client_kw)
-        self.redis = aioredis.from_url(url, socket_connect_timeout=5.0)
+        self.redis = connect_async(url)
         self.keys = Keys(prefix)
 
-    async def submit(self, job: dict[str, Any] | Job, *, model: str | None = None) -> tuple[str, str]:
-        return await asyncio.to_thread(self.sync.submit, job, model=model)
+    async def submit(
+        self, job: dict[str, Any] | Job, *, model: str | None = None, lane: str = INTERACTIVE
+    ) -> tuple[str, str]:
+        return await asyncio.to_thread(self.sync.submit, job, model=model, lane=lane)
 
     async def submit_batch(self, jobs: Iterable[Job | dict[str, Any]], **kw: Any) -> BatchHandle:
         return await asyncio.to_thread(self.sync.submit_batch, list(jobs), **kw)

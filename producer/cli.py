@@ -29,7 +29,7 @@ from shared.errors import (
     SubmissionError,
     WaitTimeoutError,
 )
-from shared.keys import DEFAULT_PREFIX
+from shared.keys import BULK, DEFAULT_PREFIX, LANES
 from shared.models import MODEL_NAMES
 
 # Commands of other parts of the distribution (the worker's: worker, memory, train, eval, demo...) are
@@ -71,7 +71,8 @@ class _LazyGroup(click.Group):
     "--redis-url",
     envvar="REDIS_URL",
     default=None,
-    help="redis://[user:pass@]host:port/db or rediss://… (env REDIS_URL; default localhost:6379/0)",
+    help="redis://[user:pass@]host:port/db, rediss://… or redis+sentinel://[user:pass@]host:port[,host:port]"
+    "/service[/db] (env REDIS_URL; default localhost:6379/0)",
 )
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, help="Prefix of every kevlaya key in Redis.")
 @click.pass_context
@@ -100,6 +101,13 @@ def _client(ctx: click.Context) -> Client:
     "--notify-url", default=None, help="POST the batch's status here when it finishes (workers allowlist it)."
 )
 @click.option(
+    "--lane",
+    type=click.Choice(LANES),
+    default=BULK,
+    show_default=True,
+    help="Priority lane of items that name none: interactive work is taken before bulk.",
+)
+@click.option(
     "--expires-in",
     "expires_in_s",
     type=float,
@@ -118,6 +126,7 @@ def submit(
     no_escalate: bool,
     model_map: str | None,
     notify_url: str | None,
+    lane: str,
     expires_in_s: float,
 ) -> None:
     """Validate FILE (JSONL, or - for stdin) completely, then enqueue it. Prints the batch id on stdout."""
@@ -142,6 +151,7 @@ def submit(
             progress=lambda n: bar.update(n - bar.n),
             completion_window_s=expires_in_s,
             notify_url=notify_url,
+            lane=lane,
         )
     click.echo(f"batch {handle.id}: {handle.enqueued} enqueued, {handle.skipped} already present", err=True)
     click.echo(handle.id)
@@ -178,15 +188,19 @@ def _wait_with_bar(client: Client, batch: str, timeout_s: float | None = None) -
 @click.option("--timeout", "timeout_s", type=float, default=None, help="With --wait: give up after this many seconds.")
 @click.pass_context
 def status(ctx: click.Context, batch: str | None, as_json: bool, wait: bool, timeout_s: float | None) -> None:
-    """Counts, rate and ETA of BATCH; without BATCH, queue depths per model and the workers seen."""
+    """Counts, rate and ETA of BATCH; without BATCH, per model and lane the jobs queued and the oldest one's
+    wait, and the workers seen."""
     client = _client(ctx)
     if batch is None:
         info = client.overview()
         if as_json:
             click.echo(orjson.dumps(info).decode())
             return
-        for name, depth in info["queues"].items():
-            click.echo(f"queue {name}: {depth} queued")
+        for model, lanes in info["queues"].items():
+            for lane, q in lanes.items():
+                wait = q["oldest_wait_s"]
+                oldest = f", oldest waited {wait:.1f} s" if wait is not None else ""
+                click.echo(f"queue {model}/{lane}: {q['queued']} queued{oldest}")
         click.echo(f"workers seen (last 60 s): {len(info['workers'])}")
         for w in info["workers"]:
             counted = ", ".join(f"{k.replace('_', ' ')} {w[k]}" for k in ("jobs", "out_of_memory") if k in w)

@@ -18,10 +18,12 @@ from shared.enqueue import (
     ENQUEUE_TRIES,
     EnqueueSettings,
     Entry,
+    Queue,
     cancel_queued,
     enqueue_entries,
     expected_types,
     job_key,
+    lane_depths,
     queues_for,
     stored_jobs,
 )
@@ -36,7 +38,7 @@ from shared.errors import (
     WaitTimeoutError,
 )
 from shared.job import DEFAULT_LIMITS, Job, Limits
-from shared.keys import BATCH_ID_RE, DEFAULT_PREFIX, Keys, followup_id, job_id
+from shared.keys import BATCH_ID_RE, BULK, DEFAULT_PREFIX, INTERACTIVE, LANES, Keys, QueueRef, followup_id, job_id
 from shared.quarantine import Quarantine, clear_the_way
 from shared.result import Result
 from shared.store import (
@@ -59,6 +61,12 @@ DEFAULT_JOB_TIMEOUT_S = 1800
 
 def new_batch_id() -> str:
     return f"b{int(time.time()):x}{secrets.token_hex(4)}"
+
+
+def check_lane(lane: str) -> str:
+    if lane not in LANES:
+        raise ValidationError(f"unknown lane {lane!r}; allowed: {', '.join(LANES)}", field="lane")
+    return lane
 
 
 def check_batch_id(batch_id: str) -> str:
@@ -113,11 +121,18 @@ class Client:
         self.enqueue = EnqueueSettings(job_timeout_s=job_timeout_s, ttl_s=batch_ttl_s, retries=retries)
         self.quarantine = Quarantine(self.redis, self.keys)
 
+    def queue(self, model: str, lane: str = BULK) -> Queue:
+        """The RQ queue of a model's lane (RQ's own API: count, job ids, registries)."""
+        return self.queues[QueueRef(model, lane)]
+
     # ---- submit ---------------------------------------------------------------------------
-    def submit(self, job: dict[str, Any] | Job, *, model: str | None = None) -> tuple[str, str]:
-        """Submit one job as a batch of one; returns (batch_id, job_id): `result(job_id)` reads its answer."""
+    def submit(
+        self, job: dict[str, Any] | Job, *, model: str | None = None, lane: str = INTERACTIVE
+    ) -> tuple[str, str]:
+        """Submit one job as a batch of one; returns (batch_id, job_id): `result(job_id)` reads its answer.
+        It goes to the `interactive` lane (taken before bulk work) unless `lane` or the job itself names one."""
         parsed = job if isinstance(job, Job) else self.validate(job, default_model=model)
-        handle = self.submit_batch([parsed])
+        handle = self.submit_batch([parsed], lane=lane)
         return handle.id, job_id(handle.id, parsed.custom_id)
 
     def validate(self, obj: dict[str, Any], *, default_model: str | None = None, position: int = 1) -> Job:
@@ -137,6 +152,7 @@ class Client:
         progress: Any = None,
         completion_window_s: float = DEFAULT_COMPLETION_WINDOW_S,
         notify_url: str | None = None,
+        lane: str = BULK,
     ) -> BatchHandle:
         """Validate every job, then enqueue them. Items already in `batch_id` are skipped, however often and
         however concurrently they are submitted: each chunk claims its items and enqueues them in one
@@ -144,10 +160,12 @@ class Client:
 
         Raises SubmissionError (nothing enqueued) if any job is invalid or a custom_id repeats, and
         BatchClosedError if `batch_id` names a cancelled or expired batch. Every check runs before the
-        first write. `progress`, if given, is called with the number of jobs handled so far.
+        first write. `progress`, if given, is called with the number of jobs handled so far. `lane` is the
+        lane of jobs that name none (`bulk` by default; `interactive` work is taken first).
         """
         if batch_id is not None:
             check_batch_id(batch_id)
+        check_lane(lane)
         parsed = self._validate_all(jobs, model)
         batch = batch_id or new_batch_id()
         state = batch_state(self.redis, self.keys, batch)
@@ -161,7 +179,7 @@ class Client:
         enqueued = 0
         for start in range(0, len(parsed), PIPELINE_CHUNK):
             self._holding(batch, token)
-            enqueued += self._enqueue_chunk(batch, parsed[start : start + PIPELINE_CHUNK])
+            enqueued += self._enqueue_chunk(batch, parsed[start : start + PIPELINE_CHUNK], lane)
             if progress is not None:
                 progress(min(start + PIPELINE_CHUNK, len(parsed)))
         self._done_submitting(batch, token)
@@ -214,7 +232,7 @@ class Client:
             pipe.expire(key, self.batch_ttl_s)
             pipe.execute()
 
-    def _enqueue_chunk(self, batch: str, jobs: Sequence[Job]) -> int:
+    def _enqueue_chunk(self, batch: str, jobs: Sequence[Job], lane: str) -> int:
         """Claim the chunk's new items and enqueue their RQ jobs in one transaction; retried if a
         concurrent submitter changed the batch's item set meanwhile. Returns how many were new.
 
@@ -229,7 +247,9 @@ class Client:
                     fresh = [j for j, k in zip(jobs, known, strict=True) if not k]
                     if not fresh:
                         return 0
-                    entries = [Entry(job_id(batch, j.custom_id), replace(j, batch=batch)) for j in fresh]
+                    entries = [
+                        Entry(job_id(batch, j.custom_id), replace(j, batch=batch, lane=j.lane or lane)) for j in fresh
+                    ]
                     expected = {items: "list", id_set: "set"} | expected_types(self.queues, entries)
                     clear_the_way(self.redis, self.quarantine, expected)
                     pipe.multi()
@@ -252,7 +272,7 @@ class Client:
             pipe.srem(self.keys.batch_item_set(batch), *[e.job.custom_id for e in entries])
             for e in entries:
                 pipe.lrem(self.keys.batch_items(batch), 1, e.job.custom_id)
-                pipe.lrem(self.queues[e.job.model].key, 1, e.job_id)
+                pipe.lrem(self.queues[e.job.queue].key, 1, e.job_id)
             pipe.delete(*[job_key(e.job_id) for e in entries])
             pipe.execute(raise_on_error=False)
 
@@ -329,11 +349,14 @@ class Client:
         return out
 
     def overview(self) -> dict[str, Any]:
-        """Queue depths per model and the workers seen in the last minute."""
+        """Per model and lane: jobs queued and the head's wait in seconds; the workers seen in the last minute."""
         now = time.time()
         workers = self.redis.zrangebyscore(self.keys.workers(), now - 60, "+inf", withscores=True)
+        queues: dict[str, dict[str, dict[str, Any]]] = {}
+        for ref, d in lane_depths(self.redis, self.queues).items():
+            queues.setdefault(ref.model, {})[ref.lane] = {"queued": d.queued, "oldest_wait_s": d.oldest_wait_s}
         return {
-            "queues": {m: q.count for m, q in self.queues.items()},
+            "queues": queues,
             "workers": [self._worker_row(n, now - s) for n, s in workers],
             "quarantine": quarantine_summary(self.redis, self.keys),
         }
@@ -393,13 +416,13 @@ class Client:
         base_ids = set(by_id)
         by_id.update({followup_id(j, to): c for j, c in list(by_id.items()) for to in known_models.MODEL_NAMES})
         cancelled = 0
-        for model, queue in self.queues.items():
+        for ref, queue in self.queues.items():
             for jid in cancel_queued(self.redis, queue, list(by_id), ttl_s=self.batch_ttl_s):
                 if jid not in base_ids and promote_step(self.redis, self.keys, batch, by_id[jid]):
                     continue  # a follow-up: the item keeps its computed Laya answer
                 result = Result.failure(
                     custom_id=by_id[jid],
-                    model=model,
+                    model=ref.model,
                     job_id=jid,
                     batch=batch,
                     error_type=CANCELLED,

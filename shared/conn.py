@@ -1,59 +1,153 @@
-"""Opening the Redis connection both sides use (URL from the caller or REDIS_URL)."""
+"""Opening the Redis connection both sides use (URL from the caller or REDIS_URL), plain or through Sentinel.
+
+A Sentinel URL names the sentinels and the service they watch; redis-py's own `redis.sentinel.Sentinel`
+finds the primary (`master_for`) and finds it again after a failover, and RQ runs over the client it returns:
+
+    redis+sentinel://[[user]:password@]host:port[,host:port...]/service_name[/db]
+
+The user and password are the data nodes' (primary and replicas); the sentinels themselves are asked
+without a password. Redis Cluster is not supported (RQ does not support it).
+"""
 
 from __future__ import annotations
 
 import os
-from urllib.parse import urlsplit, urlunsplit
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from redis import Redis
 from redis import exceptions as redis_exceptions
+from redis.asyncio import Redis as AsyncRedis
 
 from shared.errors import ConfigError
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+SENTINEL_SCHEME = "redis+sentinel"
+SCHEMES = ("redis", "rediss", "unix", SENTINEL_SCHEME)
+SHAPE = "expected redis://[user:pass@]host:port/db or redis+sentinel://[user:pass@]host:port[,host:port]/service[/db]"
+CONNECT_TIMEOUT_S = 5.0
 
 
 def redis_url(url: str | None = None) -> str:
-    """The URL to use: explicit, else $REDIS_URL, else localhost. Supports redis://, rediss://, auth, db."""
+    """The URL to use: explicit, else $REDIS_URL, else localhost. Supports redis://, rediss://, unix://, auth,
+    db, and redis+sentinel://."""
     return url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
 
 
-SCHEMES = ("redis", "rediss", "unix")
+@dataclass(frozen=True)
+class SentinelTarget:
+    """What a redis+sentinel:// URL names."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
 
 
 def check_url(url: str) -> str:
     """The URL if it is one redis-py reads as meant; else ConfigError naming what is wrong (redis-py itself
     would take `redis://host/notadb` as database 0)."""
     parts = urlsplit(url)
-    shape = "expected redis://[user:pass@]host:port/db"
     if parts.scheme not in SCHEMES:
-        raise ConfigError(f"bad Redis URL {redacted(url)!r}: no redis://, rediss:// or unix:// scheme; {shape}")
+        raise ConfigError(
+            f"bad Redis URL {redacted(url)!r}: no redis://, rediss://, unix:// or {SENTINEL_SCHEME}:// scheme; {SHAPE}"
+        )
+    if parts.scheme == SENTINEL_SCHEME:
+        sentinel_target(url)
+        return url
     db = parts.path.strip("/")
     if parts.scheme != "unix" and db and not db.isdigit():
-        raise ConfigError(f"bad Redis URL {redacted(url)!r}: database {db!r} is not a number; {shape}")
+        raise ConfigError(f"bad Redis URL {redacted(url)!r}: database {db!r} is not a number; {SHAPE}")
     try:
         parts.port  # noqa: B018 -- raises on a port that is not a number
     except ValueError as exc:
-        raise ConfigError(f"bad Redis URL {redacted(url)!r}: {exc}; {shape}") from exc
+        raise ConfigError(f"bad Redis URL {redacted(url)!r}: {exc}; {SHAPE}") from exc
     return url
 
 
-def connect(url: str | None = None, *, socket_timeout_s: float | None = 30.0) -> Redis:
-    return Redis.from_url(
-        check_url(redis_url(url)),
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=5.0,
-        health_check_interval=15,
+def sentinel_target(url: str) -> SentinelTarget:
+    """The sentinels, service, db and credentials of a redis+sentinel:// URL (ConfigError if malformed)."""
+    parts = urlsplit(url)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"bad Redis URL {redacted(url)!r}: {why}; {SHAPE}")
+
+    sentinels = []
+    for item in hosts.split(","):
+        host, sep, port = item.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise bad(f"sentinel {item!r} is not host:port")
+        sentinels.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2:
+        raise bad("name the service the sentinels watch: /service_name[/db]")
+    if len(path) == 2 and not path[1].isdigit():
+        raise bad(f"database {path[1]!r} is not a number")
+    return SentinelTarget(
+        sentinels=tuple(sentinels),
+        service=unquote(path[0]),
+        db=int(path[1]) if len(path) == 2 else 0,
+        username=unquote(user) or None,
+        password=unquote(password) if userinfo and ":" in userinfo else None,
     )
+
+
+def connect(url: str | None = None, *, socket_timeout_s: float | None = 30.0) -> Redis:
+    url = check_url(redis_url(url))
+    options: dict[str, Any] = {
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": CONNECT_TIMEOUT_S,
+        "health_check_interval": 15,
+    }
+    if urlsplit(url).scheme == SENTINEL_SCHEME:
+        from redis.sentinel import Sentinel
+
+        target = sentinel_target(url)
+        sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=_sentinel_options(), **_node_options(target))
+        return sentinel.master_for(target.service, redis_class=Redis, db=target.db, **options)
+    return Redis.from_url(url, **options)
+
+
+def connect_async(url: str | None = None) -> AsyncRedis:
+    """The asyncio client of the same URL (producer.aio)."""
+    url = check_url(redis_url(url))
+    if urlsplit(url).scheme == SENTINEL_SCHEME:
+        from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+
+        target = sentinel_target(url)
+        sentinel = AsyncSentinel(list(target.sentinels), sentinel_kwargs=_sentinel_options(), **_node_options(target))
+        return sentinel.master_for(
+            target.service, redis_class=AsyncRedis, db=target.db, socket_connect_timeout=CONNECT_TIMEOUT_S
+        )
+    return AsyncRedis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+
+
+def _sentinel_options() -> dict[str, Any]:
+    return {"socket_timeout": CONNECT_TIMEOUT_S, "socket_connect_timeout": CONNECT_TIMEOUT_S}
+
+
+def _node_options(target: SentinelTarget) -> dict[str, Any]:
+    """Credentials of the primary and replicas (given to every connection `master_for` opens)."""
+    out: dict[str, Any] = {}
+    if target.username:
+        out["username"] = target.username
+    if target.password is not None:
+        out["password"] = target.password
+    return out
 
 
 def redacted(url: str) -> str:
     """The URL without its password, for messages."""
     parts = urlsplit(url)
-    if parts.password is None:
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
         return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    user = userinfo.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
 
 
 def redis_problem(exc: redis_exceptions.RedisError, url: str | None = None) -> str:

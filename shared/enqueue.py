@@ -4,8 +4,10 @@ escalation follow-ups alike."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from redis import Redis
 from redis.client import Pipeline
@@ -19,7 +21,7 @@ from rq.registry import CanceledJobRegistry
 from shared.errors import KevlayaError
 from shared.job import Job
 from shared.jobfunc import RUN_DECISION
-from shared.keys import Keys
+from shared.keys import Keys, QueueRef, queue_refs
 from shared.quarantine import Quarantine, clear_the_way
 from shared.serializer import serializer
 
@@ -43,8 +45,12 @@ class Entry:
     job: Job
 
 
-def queues_for(redis: Redis, keys: Keys, models: Sequence[str]) -> dict[str, Queue]:
-    return {m: Queue(keys.queue_name(m), connection=redis, serializer=serializer) for m in models}
+def queues_for(redis: Redis, keys: Keys, models: Sequence[str]) -> dict[QueueRef, Queue]:
+    """Every lane's RQ queue of these models, each model's lanes in priority order."""
+    return {
+        ref: Queue(keys.queue_name(ref.model, ref.lane), connection=redis, serializer=serializer)
+        for ref in queue_refs(list(models))
+    }
 
 
 def job_key(job_id: str) -> str:
@@ -53,18 +59,18 @@ def job_key(job_id: str) -> str:
 
 
 def enqueue_entries(
-    pipe: Pipeline, queues: Mapping[str, Queue], entries: Sequence[Entry], settings: EnqueueSettings
+    pipe: Pipeline, queues: Mapping[QueueRef, Queue], entries: Sequence[Entry], settings: EnqueueSettings
 ) -> None:
-    """Add every entry to its model's queue on `pipe` (a transaction the caller executes)."""
-    for model, queue in queues.items():
-        datas = [_data(e, settings) for e in entries if e.job.model == model]
+    """Add every entry to its model's lane's queue on `pipe` (a transaction the caller executes)."""
+    for ref, queue in queues.items():
+        datas = [_data(e, settings) for e in entries if e.job.queue == ref]
         if datas:
             queue.enqueue_many(datas, pipeline=pipe)
 
 
-def expected_types(queues: Mapping[str, Queue], entries: Sequence[Entry]) -> dict[str, str]:
+def expected_types(queues: Mapping[QueueRef, Queue], entries: Sequence[Entry]) -> dict[str, str]:
     """The Redis types an enqueue of these entries writes into (see shared.quarantine.clear_the_way)."""
-    out = {queues[m].key: "list" for m in {e.job.model for e in entries}}
+    out = {queues[ref].key: "list" for ref in {e.job.queue for e in entries}}
     out[Queue.redis_queues_keys] = "set"
     out.update({job_key(e.job_id): "hash" for e in entries})
     return out
@@ -72,7 +78,7 @@ def expected_types(queues: Mapping[str, Queue], entries: Sequence[Entry]) -> dic
 
 def enqueue_absent(
     redis: Redis,
-    queues: Mapping[str, Queue],
+    queues: Mapping[QueueRef, Queue],
     entries: Sequence[Entry],
     settings: EnqueueSettings,
     quarantine: Quarantine,
@@ -152,6 +158,45 @@ def cancel_queued(redis: Redis, queue: Queue, job_ids: Sequence[str], *, ttl_s: 
             pipe.expire(job.key, ttl_s)
         pipe.execute(raise_on_error=False)
     return removed
+
+
+@dataclass(frozen=True)
+class LaneDepth:
+    """One lane's queue as `kevlaya status` shows it: jobs queued, and how long its head has waited."""
+
+    queued: int
+    oldest_wait_s: float | None
+
+
+def lane_depths(redis: Redis, queues: Mapping[QueueRef, Queue]) -> dict[QueueRef, LaneDepth]:
+    """Depth and head wait of every queue, in two round trips (a key of the wrong type reads as empty)."""
+    refs = list(queues)
+    with redis.pipeline(transaction=False) as pipe:
+        for ref in refs:
+            pipe.llen(queues[ref].key)
+            pipe.lindex(queues[ref].key, 0)
+        raw = pipe.execute(raise_on_error=False)
+    heads = [h.decode("utf-8", "replace") if isinstance(h, bytes) else None for h in raw[1::2]]
+    with redis.pipeline(transaction=False) as pipe:
+        for head in heads:
+            pipe.hget(job_key(head), "enqueued_at") if head else pipe.echo("")
+        stamps = pipe.execute(raise_on_error=False)
+    now = time.time()
+    out = {}
+    for i, ref in enumerate(refs):
+        depth = raw[2 * i] if isinstance(raw[2 * i], int) else 0
+        when = _rq_time(stamps[i]) if depth and isinstance(stamps[i], bytes) else None
+        out[ref] = LaneDepth(depth, None if when is None else round(max(0.0, now - when), 3))
+    return out
+
+
+def _rq_time(value: bytes) -> float | None:
+    """RQ's enqueued_at (UTC, '%Y-%m-%dT%H:%M:%S.%fZ') as a timestamp; None if unreadable."""
+    try:
+        stamp = datetime.strptime(value.decode("utf-8", "replace"), "%Y-%m-%dT%H:%M:%S.%fZ")
+    except ValueError:
+        return None
+    return stamp.replace(tzinfo=timezone.utc).timestamp()
 
 
 def stored_jobs(redis: Redis, job_ids: Sequence[str]) -> dict[str, Job]:

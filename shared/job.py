@@ -11,6 +11,7 @@ import orjson
 from shared import SCHEMA_VERSION
 from shared import models as known_models
 from shared.errors import ValidationError
+from shared.keys import BULK, LANES, QueueRef
 
 KIB = 1024
 
@@ -50,6 +51,7 @@ USER_FIELDS = frozenset(
         "logprobs",
         "top_logprobs",
         "meta",
+        "lane",
     }
 )
 MAX_TOP_LOGPROBS = 5
@@ -72,6 +74,8 @@ class Job:
     """One decision request. `prompt` or `input` (fields rendered by the model's template) is required.
 
     escalate: None = the model's rule, False = never, a float in (0, 1] = escalate below that confidence.
+    lane: `interactive` or `bulk`; None until a submit call gives it its default (a queued job always has one;
+    one queued by a kevlaya before lanes reads as bulk). Follow-ups inherit it.
     """
 
     custom_id: str
@@ -91,7 +95,13 @@ class Job:
     meta: Any = None
     batch: str | None = None
     parent: Parent | None = None
+    lane: str | None = None
     v: int = SCHEMA_VERSION
+
+    @property
+    def queue(self) -> QueueRef:
+        """The RQ queue this job goes to: its model's lane."""
+        return QueueRef(self.model, self.lane or BULK)
 
     # ---- encoding -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -160,6 +170,7 @@ class Job:
             meta=_meta(obj.get("meta"), limits),
             batch=_optional_str(obj.get("batch"), "batch"),
             parent=_parent(obj.get("parent")),
+            lane=_lane(obj.get("lane")),
         )
 
 
@@ -336,6 +347,12 @@ def _depth(value: Any) -> int:
         deepest = max(deepest, level)
         stack.extend((child, level + 1) for child in children)
     return deepest
+
+
+def _lane(value: Any) -> str | None:
+    if value is not None and value not in LANES:
+        raise ValidationError(f"unknown lane {value!r}; allowed: {', '.join(LANES)}", field="lane")
+    return value
 
 
 def _optional_str(value: Any, name: str) -> str | None:

@@ -17,6 +17,28 @@ DEFAULT_PREFIX = "kevlaya:"
 BATCH_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,256}$")
 
+# Priority lanes, highest first: each model has one RQ queue per lane. `interactive` work is taken first;
+# `bulk` (files, nightly runs) keeps its full batches and is never starved (worker.lanes).
+INTERACTIVE = "interactive"
+BULK = "bulk"
+LANES: tuple[str, ...] = (INTERACTIVE, BULK)
+
+
+@dataclass(frozen=True, order=True)
+class QueueRef:
+    """One RQ queue of kevlaya: a model's lane."""
+
+    model: str
+    lane: str = BULK
+
+    def __str__(self) -> str:
+        return f"{self.model}/{self.lane}"
+
+
+def queue_refs(models: tuple[str, ...] | list[str]) -> list[QueueRef]:
+    """Every queue of these models, each model's lanes in priority order."""
+    return [QueueRef(m, lane) for m in models for lane in LANES]
+
 
 def job_id(batch: str, custom_id: str) -> str:
     """Deterministic RQ job id: resubmitting an item into the same batch maps to the same job."""
@@ -31,12 +53,14 @@ def followup_id(parent_job_id: str, model: str) -> str:
 
 @dataclass(frozen=True)
 class Keys:
-    """Key names. RQ queue names are `<prefix><model>`; RQ adds its own `rq:queue:` around them."""
+    """Key names. RQ queue names are `<prefix><model>` (the bulk lane: the name queues had before lanes, so
+    jobs queued by an older kevlaya stay where workers look) and `<prefix><model>:interactive`; RQ adds its
+    own `rq:queue:` around them."""
 
     prefix: str = DEFAULT_PREFIX
 
-    def queue_name(self, model: str) -> str:
-        return f"{self.prefix}{model}"
+    def queue_name(self, model: str, lane: str = BULK) -> str:
+        return f"{self.prefix}{model}" if lane == BULK else f"{self.prefix}{model}:{lane}"
 
     def batch(self, batch: str) -> str:
         """Hash: id, created, expires, total, counters, flags."""
@@ -102,9 +126,10 @@ class Keys:
         """Global counters (e.g. duplicate_final_results: second final answers refused by HSETNX)."""
         return f"{self.prefix}w:counter:{name}"
 
-    def suspects(self, model: str) -> str:
-        """List: JSON groups of job ids whose worker died running them, each run again as one batch."""
-        return f"{self.prefix}w:suspects:{model}"
+    def suspects(self, model: str, lane: str = BULK) -> str:
+        """List: JSON groups of job ids whose worker died running them, each run again as one batch (per
+        model and lane, so recovered work keeps its priority)."""
+        return f"{self.prefix}w:suspects:{model}" if lane == BULK else f"{self.prefix}w:suspects:{model}:{lane}"
 
     def quarantine(self) -> str:
         """List: JSON records of entries the worker could not read, newest first (capped)."""

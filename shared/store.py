@@ -380,6 +380,31 @@ def promote_step(redis: Redis, keys: Keys, batch: str, custom_id: str, *, reason
         return False
 
 
+# Reopens an item whose final result is a failure of this job, so the job's next run is recorded: the
+# failure removed and uncounted, the batch to be announced again when it completes again. Cancelled and
+# expired items stay closed. KEYS: results hash, batch hash. ARGV: custom_id, job id.
+_REOPEN_LUA = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local ok, row = pcall(cjson.decode, raw)
+if not ok or type(row) ~= 'table' or row['job_id'] ~= ARGV[2] then return 0 end
+local err = row['error']
+if type(err) ~= 'table' or err['type'] == 'cancelled' or err['type'] == 'expired' then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HINCRBY', KEYS[2], 'failed', -1)
+redis.call('HDEL', KEYS[2], 'notified_at')
+if type(row['escalated_from']) == 'string' then redis.call('HINCRBY', KEYS[2], 'followups_done', -1) end
+return 1
+"""
+
+
+def reopen_failed(redis: Redis, keys: Keys, batch: str, custom_id: str, job_id: str) -> bool:
+    """Take back the failure `job_id` recorded for its item (it was requeued to run again: `rq requeue`).
+    True if there was one; False if the item's result is not this job's failure (nothing changes)."""
+    script = redis.register_script(_REOPEN_LUA)
+    return bool(script(keys=[keys.batch_results(batch), keys.batch(batch)], args=[custom_id, job_id]))
+
+
 def trim_indexes(redis: Redis, keys: Keys, *, batch_age_s: float, worker_age_s: float) -> None:
     """Drop batches from the index long after their keys expired, and workers long unseen. An expired batch
     stays listed for one more TTL, so a resubmit into it is refused as expired rather than starting over."""

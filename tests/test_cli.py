@@ -69,7 +69,19 @@ def test_cancel_and_status_without_batch(run) -> None:
     status = orjson.loads(run("status", batch, "--json").stdout)
     assert status["counts"]["cancelled"] == 1 and status["complete"]
     overview = orjson.loads(run("status", "--json").stdout)
-    assert overview["queues"] == {"kev": 0, "laya": 0}
+    empty = {"queued": 0, "oldest_wait_s": None}
+    assert overview["queues"] == {m: {"interactive": empty, "bulk": empty} for m in ("kev", "laya")}
+
+
+def test_submit_lane_option_and_status_per_lane(run, redis: Redis) -> None:
+    data = jsonl({"custom_id": "a", "prompt": "p"})
+    assert run("submit", "-", "--model", "laya", input=data).exit_code == 0
+    assert run("submit", "-", "--model", "kev", "--lane", "interactive", input=data).exit_code == 0
+    assert redis.llen("rq:queue:kevlaya:laya") == 1 and redis.llen("rq:queue:kevlaya:kev:interactive") == 1
+    lines = run("status").stdout.splitlines()
+    assert "queue kev/bulk: 0 queued" in lines and "queue laya/interactive: 0 queued" in lines
+    assert any(line.startswith("queue kev/interactive: 1 queued, oldest waited ") for line in lines)
+    assert run("submit", "-", "--lane", "urgent", input=data).exit_code == 2
 
 
 def test_unknown_batch_exits_nonzero_with_message(redis_url: str, redis: Redis) -> None:

@@ -7,7 +7,7 @@ from redis import Redis
 from rq import Queue
 
 from producer.client import Client
-from shared.errors import BatchNotFoundError, SubmissionError
+from shared.errors import BatchNotFoundError, SubmissionError, ValidationError
 from shared.jobfunc import RUN_DECISION
 from shared.keys import Keys, job_id
 from shared.serializer import serializer
@@ -91,9 +91,45 @@ def test_unknown_batch_is_a_clear_error(client: Client) -> None:
         client.status("nope")
 
 
-def test_overview_lists_queue_depths(client: Client) -> None:
+def test_overview_lists_queue_depths_per_lane(client: Client) -> None:
     client.submit_batch([*items(3), {"custom_id": "k", "model": "kev", "prompt": "x"}])
-    assert client.overview()["queues"] == {"kev": 1, "laya": 3}
+    client.submit({"custom_id": "now", "model": "kev", "prompt": "y"})
+    queues = client.overview()["queues"]
+    assert {m: {lane: q["queued"] for lane, q in lanes.items()} for m, lanes in queues.items()} == {
+        "kev": {"interactive": 1, "bulk": 1},
+        "laya": {"interactive": 0, "bulk": 3},
+    }
+    assert queues["laya"]["interactive"]["oldest_wait_s"] is None
+    assert 0 <= queues["laya"]["bulk"]["oldest_wait_s"] < 60
+
+
+def test_lanes_are_rq_queues_with_their_defaults(client: Client, redis: Redis) -> None:
+    """submit_batch goes to bulk (the queue name from before lanes), submit to interactive, unless told."""
+    bulk = client.submit_batch(items(2))
+    one, _ = client.submit({"custom_id": "x", "model": "laya", "prompt": "p"})
+    told, _ = client.submit({"custom_id": "y", "model": "laya", "prompt": "p"}, lane="bulk")
+    mine = client.submit_batch([{**items(1)[0], "lane": "interactive"}, *items(2)[1:]], lane="bulk")
+    interactive = Queue("kevlaya:laya:interactive", connection=redis, serializer=serializer)
+    assert set(interactive.get_job_ids()) == {job_id(one, "x"), job_id(mine.id, "c0")}
+    laya = Queue("kevlaya:laya", connection=redis, serializer=serializer)
+    assert set(laya.get_job_ids()) == {
+        job_id(bulk.id, "c0"),
+        job_id(bulk.id, "c1"),
+        job_id(told, "y"),
+        job_id(mine.id, "c1"),
+    }
+    assert interactive.fetch_job(job_id(one, "x")).args[0]["lane"] == "interactive"
+    with pytest.raises(ValidationError, match="unknown lane 'urgent'"):
+        client.submit_batch(items(1), lane="urgent")
+
+
+def test_cancel_covers_both_lanes(client: Client, redis: Redis) -> None:
+    handle = client.submit_batch([{**j, "lane": "interactive"} for j in items(2)] + items(4)[2:])
+    assert client.queue("laya", "interactive").count == 2 and client.queue("laya").count == 2
+    assert client.cancel(handle.id) == 4
+    assert client.queue("laya", "interactive").count == 0 and client.queue("laya").count == 0
+    assert client.status(handle.id).counts.cancelled == 4
+    assert len(client.queue("laya", "interactive").canceled_job_registry.get_job_ids()) == 2
 
 
 def test_keys_respect_the_prefix(redis: Redis) -> None:

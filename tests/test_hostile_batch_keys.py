@@ -13,7 +13,7 @@ from redis import Redis
 
 from producer.client import Client
 from shared.errors import ConfigError
-from shared.keys import Keys
+from shared.keys import Keys, QueueRef
 from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.worker_helpers import assert_each_item_answered_once
 from worker.loop import BatchWorker
@@ -108,7 +108,7 @@ def test_requeue_of_lost_entries_into_a_wrong_typed_queue_loses_nothing(client: 
     ).id
     w = worker(redis)
     w.bridge.begin_batch()
-    w.bridge.take("laya", 3, ttl_s=-5)  # taken, then lost track of (its heartbeat lapsed, not in flight)
+    w.bridge.take(QueueRef("laya"), 3, ttl_s=-5)  # taken, then lost track of (its heartbeat lapsed, not in flight)
     redis.set("rq:queue:kevlaya:laya", "junk")
     w._maybe_recover(force=True)
     assert redis.llen("rq:queue:kevlaya:laya") == 3 and redis.zcard("rq:wip:kevlaya:laya") == 0

@@ -49,6 +49,8 @@ HOSTILE = {
         r.lpush(QUEUE, "bomb"),
     ),
     "suspects list of garbage": lambda r: r.lpush("kevlaya:w:suspects:laya", b"\xff{not json"),
+    "interactive suspects list of garbage": lambda r: r.lpush("kevlaya:w:suspects:laya:interactive", b"\xff{"),
+    "interactive queue of the wrong type": lambda r: r.set(QUEUE + ":interactive", "x"),
     "intermediate list of bad bytes": lambda r: r.lpush(QUEUE + ":intermediate", b"\xff\xff"),
     "quarantine list itself of the wrong type": lambda r: (r.set("kevlaya:w:quarantine", "x"), r.lpush(QUEUE, b"\xff")),
 }
@@ -125,7 +127,7 @@ def _hostile_round(redis: Redis, rng: random.Random, batch: str) -> int:
 def _hostile_write(redis: Redis, rng: random.Random, batch: str) -> int:
     fake = f"fz{rng.randrange(10**9)}"
     choice = rng.randrange(14)
-    queue = rng.choice([QUEUE, "rq:queue:kevlaya:kev"])
+    queue = rng.choice([QUEUE, "rq:queue:kevlaya:kev", "rq:queue:kevlaya:laya:interactive"])
     if choice == 0:
         redis.rpush(queue, _random_bytes(rng))
     elif choice == 1:
@@ -135,7 +137,8 @@ def _hostile_write(redis: Redis, rng: random.Random, batch: str) -> int:
         ) if kind != "zset" else redis.zadd(f"rq:job:{fake}", {"x": 1})
         redis.rpush(queue, fake)
     elif choice == 2:
-        fields = {f: _random_bytes(rng) for f in ("data", "enqueued_at", "kevlaya_attempts", "retries_left", "status")}
+        names = ("data", "enqueued_at", "kevlaya_attempts", "kevlaya_failed", "retries_left", "status")
+        fields = {f: _random_bytes(rng) for f in names}
         redis.hset(f"rq:job:{fake}", mapping=fields)
         redis.rpush(queue, fake)
     elif choice == 3:
@@ -145,7 +148,8 @@ def _hostile_write(redis: Redis, rng: random.Random, batch: str) -> int:
         if queued:
             redis.hset(b"rq:job:" + rng.choice(queued), "kevlaya_attempts", _random_bytes(rng))
     elif choice == 5:
-        redis.zadd(rng.choice([STARTED, "rq:wip:kevlaya:kev"]), {_random_bytes(rng) + b":x.y.1": 1})
+        registry = rng.choice([STARTED, "rq:wip:kevlaya:kev", "rq:wip:kevlaya:kev:interactive"])
+        redis.zadd(registry, {_random_bytes(rng) + b":x.y.1": 1})
     elif choice == 6:
         payload = {"custom_id": "forged", "model": "laya", "prompt": "p", "batch": batch}
         data = zlib.compress(orjson.dumps(["worker.jobs.run_decision", None, [payload], {}]))

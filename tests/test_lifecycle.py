@@ -8,7 +8,7 @@ import pytest
 from redis import Redis
 
 from producer.client import Client
-from shared.keys import Keys
+from shared.keys import Keys, QueueRef
 from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.worker_helpers import assert_each_item_answered_once
 from worker.loop import BatchWorker
@@ -37,7 +37,7 @@ def test_statuses_from_in_progress_to_completed(client: Client, redis: Redis) ->
 def test_finalizing_while_follow_ups_wait_then_completed(client: Client, redis: Redis) -> None:
     handle = client.submit_batch(items(2, prompt="unsure"))
     worker = BatchWorker(redis, FakeEngine(), FAKE_CONFIG, WorkerSettings(burst=True, mixed_tails=False))
-    worker._run_take(worker._take("laya", {}, suspects=0, queued=2))
+    worker._run_take(worker._take(QueueRef("laya"), {}, suspects=0, queued=2))
     assert client.status(handle.id).status == "finalizing"
     drain(redis)
     assert client.status(handle.id).status == "completed"
@@ -65,7 +65,7 @@ def test_items_queued_past_the_completion_window_expire_and_never_run(client: Cl
 
 
 def test_validating_while_a_submit_is_writing(client: Client, redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
-    def dies(self, batch, chunk):
+    def dies(self, batch, chunk, lane):
         raise ConnectionError("producer died")
 
     monkeypatch.setattr(Client, "_enqueue_chunk", dies)

@@ -44,8 +44,15 @@ def test_metrics_endpoint_of_a_running_worker(client: Client, redis: Redis) -> N
             (s.labels["outcome"], s.labels["error_type"]): s.value for s in families["kevlaya_decisions"].samples
         }
         assert decisions == {("answered", ""): 5.0, ("escalated", ""): 2.0}
-        depth = {(s.labels["model"], s.labels["kind"]): s.value for s in families["kevlaya_queue_depth"].samples}
-        assert depth[("laya", "queued")] == 0
+        depth = {
+            (s.labels["model"], s.labels["lane"], s.labels["kind"]): s.value
+            for s in families["kevlaya_queue_depth"].samples
+        }
+        assert depth[("laya", "bulk", "queued")] == 0 and depth[("kev", "interactive", "suspect_groups")] == 0
+        oldest = families["kevlaya_queue_oldest_wait_seconds"].samples
+        assert {(s.labels["model"], s.labels["lane"]) for s in oldest} == {
+            (m, lane) for m in ("kev", "laya") for lane in ("interactive", "bulk")
+        }
         rows = families["kevlaya_batch_rows"]
         assert any(s.name == "kevlaya_batch_rows_count" and s.value == 2 for s in rows.samples)
         assert "kevlaya_generated_tokens" in families and "kevlaya_graph_captures" in families

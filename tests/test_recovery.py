@@ -67,7 +67,7 @@ def test_a_poison_job_in_a_256_row_batch_is_dead_lettered_within_9_crashes(
     assert dead["error"]["type"] == "worker_died"
     assert f"({crashes} crashes)" in dead["error"]["message"]
     assert all(r.get("error") is None for r in rows.values())
-    assert job_id(handle.id, f"j{poison}") in client.queues["laya"].failed_job_registry.get_job_ids()
+    assert job_id(handle.id, f"j{poison}") in client.queue("laya").failed_job_registry.get_job_ids()
     # Every innocent job ran to completion exactly once (crashed runs aside): no one-at-a-time re-runs.
     assert len(engine.answered) == len(set(engine.answered)) == 255
 

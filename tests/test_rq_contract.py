@@ -11,7 +11,7 @@ from rq import Queue, Retry
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.worker import SimpleWorker
 
-from shared.keys import Keys
+from shared.keys import Keys, QueueRef
 from shared.serializer import serializer
 from worker.rqcompat import RQBridge, decode_job, parse_rq_time
 
@@ -38,12 +38,12 @@ def test_take_registers_in_rqs_started_registry(redis: Redis) -> None:
     queue.enqueue_many([Queue.prepare_data("worker.jobs.run_decision", args=[{}], job_id=f"j{i}") for i in range(3)])
     bridge = RQBridge(redis, Keys(), ["kev"], "w1")
     bridge.begin_batch()
-    assert bridge.take("kev", 2, ttl_s=30) == ["j0", "j1"]
+    assert bridge.take(QueueRef("kev"), 2, ttl_s=30) == ["j0", "j1"]
     registry = StartedJobRegistry(queue=queue)
     assert registry.key == "rq:wip:kevlaya:kev"
     assert sorted(registry.get_job_ids(cleanup=False)) == ["j0", "j1"]  # RQ parses our job:execution members
     assert queue.fetch_job("j0").get_status() == "started"
-    bridge.finish("kev", [("j0", None), ("j1", "internal: boom")], ttl_s=60)
+    bridge.finish(QueueRef("kev"), [("j0", None), ("j1", "internal: boom")], ttl_s=60)
     assert registry.get_job_ids(cleanup=False) == []
     assert FinishedJobRegistry(queue=queue).get_job_ids(cleanup=False) == ["j0"]
     assert FailedJobRegistry(queue=queue).get_job_ids(cleanup=False) == ["j1"]

@@ -10,7 +10,7 @@ from redis import Redis
 
 from producer.client import Client
 from shared.errors import BatchClosedError, SubmissionError, ValidationError
-from shared.keys import Keys
+from shared.keys import Keys, QueueRef
 from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.worker_helpers import assert_each_item_answered_once
 from worker.loop import BatchWorker
@@ -61,11 +61,11 @@ def test_a_submit_interrupted_part_way_then_resubmitted_counts_each_item_once(
     real = Client._enqueue_chunk
     calls = {"n": 0}
 
-    def dies_after_two_chunks(self, batch, chunk):
+    def dies_after_two_chunks(self, batch, chunk, lane):
         calls["n"] += 1
         if calls["n"] > 2:
             raise ConnectionError("producer killed")
-        return real(self, batch, chunk)
+        return real(self, batch, chunk, lane)
 
     monkeypatch.setattr(Client, "_enqueue_chunk", dies_after_two_chunks)
     with pytest.raises(ConnectionError):
@@ -127,7 +127,7 @@ def _laya_answered_kev_queued(client: Client, redis: Redis, n: int) -> str:
     """A batch whose unsure Laya answers are written and whose Kev follow-ups wait in the queue."""
     handle = client.submit_batch([{"custom_id": f"u{i}", "model": "laya", "prompt": "unsure"} for i in range(n)])
     worker = BatchWorker(redis, FakeEngine(), FAKE_CONFIG, WorkerSettings(burst=True, mixed_tails=False))
-    worker._run_take(worker._take("laya", {}, suspects=0, queued=n))  # one Laya take, no Kev take
+    worker._run_take(worker._take(QueueRef("laya"), {}, suspects=0, queued=n))  # one Laya take, no Kev take
     assert redis.llen("rq:queue:kevlaya:kev") == n
     return handle.id
 

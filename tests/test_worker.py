@@ -27,7 +27,7 @@ def engine(tiny_models: Path) -> Engine:
 
 def in_flight(redis: Redis) -> bool:
     """Jobs registered as running in RQ's started registries."""
-    return any(redis.zcard(f"rq:wip:kevlaya:{m}") for m in ("kev", "laya"))
+    return any(redis.zcard(f"rq:wip:kevlaya:{q}") for q in ("kev", "laya", "kev:interactive", "laya:interactive"))
 
 
 def mixed(n: int, **extra) -> list[dict]:

@@ -39,6 +39,13 @@ def setup_logging(level: str) -> None:
     help="Switch models once the other queue's oldest job waited this long (sooner when it holds a full take). "
     "Every switch breaks a batch: lower it for latency, raise it for throughput.",
 )
+@click.option(
+    "--bulk-every-takes",
+    default=4,
+    show_default=True,
+    help="Interactive work is taken before bulk; after this many interactive takes in a row while bulk "
+    "waits, the next take is bulk's (no starvation).",
+)
 @click.option("--max-batch-rows", default=256, show_default=True, help="Upper bound on rows per batch.")
 @click.option("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available).")
 @click.option("--no-mixed-tails", is_flag=True, help="Never mix Kev and Laya rows in one batch.")
@@ -89,6 +96,7 @@ def worker_command(
     burst: bool,
     memory_budget: str | None,
     max_wait_ms: int,
+    bulk_every_takes: int,
     max_batch_rows: int,
     device: str | None,
     no_mixed_tails: bool,
@@ -129,6 +137,7 @@ def worker_command(
         job_heartbeat_ttl_s,
         burst=burst,
         max_wait_ms=max_wait_ms,
+        bulk_every_takes=bulk_every_takes,
         mixed_tails=not no_mixed_tails,
         batch_time_limit_s=batch_time_limit_s,
         name=name,

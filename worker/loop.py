@@ -1,9 +1,9 @@
 """The batch worker: drains the model queues in large same-model batches and never loses a job.
 
 One loop, one `except` boundary per batch. Each pass: recover abandoned jobs (rate-limited, worker.recovery),
-pick a model (worker.policy), take up to N jobs atomically or one suspect group (worker.take), triage
-them, run the rest through the engine as one batch, and settle every row (worker.settle): results written,
-escalations enqueued as follow-ups, RQ's registries updated.
+pick a lane and model (worker.lanes, worker.policy), take up to N jobs atomically or one suspect group
+(worker.take), triage them, run the rest through the engine as one batch, and settle every row
+(worker.settle): results written, escalations enqueued as follow-ups, RQ's registries updated.
 """
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ from redis import Redis
 from shared.enqueue import EnqueueSettings
 from shared.errors import INTERNAL
 from shared.job import Job
-from shared.keys import Keys
+from shared.keys import BULK, Keys, QueueRef
 from worker.config import ModelsConfig
 from worker.faults import maybe_crash
 from worker.followups import prompt_chars
+from worker.lanes import BulkTurn, choose_queue
 from worker.metrics import HealthServer
 from worker.notices import Notifier
 from worker.outputs import RowOutput
-from worker.policy import QueueState, choose_model
+from worker.policy import QueueState
 from worker.presence import Presence
 from worker.recovery import RecoveryPass
 from worker.rqcompat import RQBridge
@@ -82,9 +83,10 @@ class BatchWorker:
         self._suspended = False
         self._errors_reported = 0
         self.health: HealthServer | None = None
-        self._in_flight: dict[str, list[str]] = {}
+        self._in_flight: dict[QueueRef, list[str]] = {}
         self._lock = threading.Lock()
         self._last_recovery = 0.0
+        self.bulk_turn = BulkTurn(every=settings.bulk_every_takes)
         self.presence = Presence(
             redis, self.keys, self.bridge, settings, stop=self._stop, in_flight=self._in_flight_now
         )
@@ -160,7 +162,7 @@ class BatchWorker:
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
 
-    def _in_flight_now(self) -> dict[str, list[str]]:
+    def _in_flight_now(self) -> dict[QueueRef, list[str]]:
         with self._lock:
             return {m: list(ids) for m, ids in self._in_flight.items()}
 
@@ -176,23 +178,26 @@ class BatchWorker:
         now = time.time()
         facts = self.bridge.queue_facts()
         states = {
-            m: QueueState(
+            ref: QueueState(
                 f.depth + f.suspect_groups,
                 (now - f.oldest_enqueued_at) * 1000 if (f.depth and f.oldest_enqueued_at) else 0.0,
-                take=self.engine.capacity(m) if f.depth else 0,
+                take=self.engine.capacity(ref.model) if f.depth else 0,
             )
-            for m, f in facts.items()
+            for ref, f in facts.items()
         }
-        model = choose_model(self.current_model, states, max_wait_ms=self.settings.max_wait_ms)
-        if model is None:
+        ref = choose_queue(
+            self.current_model, states, max_wait_ms=self.settings.max_wait_ms, bulk_due=self.bulk_turn.due
+        )
+        if ref is None:
             if self.settings.burst and not self._anything_recoverable():
                 return False
             self._stop.wait(self.settings.idle_poll_s)
             return True
-        if self.current_model is not None and model != self.current_model:
+        self.bulk_turn.record(ref, bulk_waiting=any(s.depth for r, s in states.items() if r.lane == BULK))
+        if self.current_model is not None and ref.model != self.current_model:
             self.stats.switches += 1
-        self.current_model = model
-        taken = self._take(model, states, suspects=facts[model].suspect_groups, queued=facts[model].depth)
+        self.current_model = ref.model
+        taken = self._take(ref, states, suspects=facts[ref].suspect_groups, queued=facts[ref].depth)
         if taken.rows:
             self._run_take(taken)
         return True
@@ -206,13 +211,13 @@ class BatchWorker:
             self._suspended = suspended
         return suspended
 
-    def _take(self, model: str, states: dict[str, QueueState], *, suspects: int, queued: int) -> Take:
-        return self.taker.take(model, states, suspects=suspects, queued=queued)
+    def _take(self, ref: QueueRef, states: dict[QueueRef, QueueState], *, suspects: int, queued: int) -> Take:
+        return self.taker.take(ref, states, suspects=suspects, queued=queued)
 
     def _run_take(self, taken: Take) -> None:
         rows = taken.rows
         with self._lock:
-            self._in_flight = {m: [r.raw.id for r in rows if r.model == m] for m in {r.model for r in rows}}
+            self._in_flight = {q: [r.raw.id for r in rows if r.ref == q] for q in {r.ref for r in rows}}
         started = time.time()
         self.presence.report(busy=True)
         try:

@@ -71,19 +71,20 @@ class WorkerCollector:
         yield _gauge("kevlaya_worker_started_timestamp_seconds", "When this worker started.", s.started_at)
 
     def _queues(self) -> Iterator[Any]:
-        depth = GaugeMetricFamily("kevlaya_queue_depth", "Jobs queued.", labels=["model", "kind"])
+        depth = GaugeMetricFamily("kevlaya_queue_depth", "Jobs queued.", labels=["model", "lane", "kind"])
         oldest = GaugeMetricFamily(
-            "kevlaya_queue_oldest_wait_seconds", "Wait of the oldest queued job.", labels=["model"]
+            "kevlaya_queue_oldest_wait_seconds", "Wait of the oldest queued job.", labels=["model", "lane"]
         )
         try:
             facts = self.worker.bridge.queue_facts(move_aside=False)
         except redis.exceptions.RedisError:
             facts = {}
         now = time.time()
-        for model, f in facts.items():
-            depth.add_metric([model, "queued"], f.depth)
-            depth.add_metric([model, "suspect_groups"], f.suspect_groups)
-            oldest.add_metric([model], max(0.0, now - f.oldest_enqueued_at) if f.oldest_enqueued_at else 0.0)
+        for ref, f in facts.items():
+            depth.add_metric([ref.model, ref.lane, "queued"], f.depth)
+            depth.add_metric([ref.model, ref.lane, "suspect_groups"], f.suspect_groups)
+            wait = max(0.0, now - f.oldest_enqueued_at) if f.oldest_enqueued_at else 0.0
+            oldest.add_metric([ref.model, ref.lane], wait)
         yield depth
         yield oldest
 

@@ -16,7 +16,7 @@ from redis import Redis
 
 from shared.conn import redis_problem
 from shared.errors import RedisUnavailableError
-from shared.keys import Keys
+from shared.keys import Keys, QueueRef
 from worker.rqcompat import RQBridge
 from worker.settings import WorkerSettings
 
@@ -34,7 +34,7 @@ class Presence:
         settings: WorkerSettings,
         *,
         stop: threading.Event,
-        in_flight: Callable[[], dict[str, list[str]]],
+        in_flight: Callable[[], dict[QueueRef, list[str]]],
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -117,8 +117,8 @@ class Presence:
                     rq_worker.register_birth()  # the key expired while Redis was away: announce ourselves again
                 rq_worker.heartbeat(self.settings.worker_ttl_s)
                 self.redis.zadd(self.keys.workers(), {self.bridge.worker_name: time.time()})
-                for model, ids in self.in_flight().items():
-                    self.bridge.heartbeat(model, ids, ttl_s=self.settings.job_heartbeat_ttl_s)
+                for ref, ids in self.in_flight().items():
+                    self.bridge.heartbeat(ref, ids, ttl_s=self.settings.job_heartbeat_ttl_s)
             except redis.exceptions.RedisError as exc:
                 self.redis_ok_since = time.time()
                 log.warning("heartbeat failed: %s", exc)

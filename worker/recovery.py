@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import redis.exceptions
 from redis import Redis
 
-from shared.keys import Keys
+from shared.keys import Keys, QueueRef
 from shared.store import trim_indexes
 from worker.notices import return_notices
 
@@ -77,16 +77,16 @@ class RecoveryPass:
         self.stats = stats
 
     def run(self, *, in_flight: set[str], others: bool, batch_ttl_s: float) -> None:
-        for model in self.models:
-            entries = self.bridge.abandoned(model, in_flight=in_flight, others=others)
-            self.bridge.requeue_lost(model, [e for e in entries if not e.crashed])
+        for ref in self.bridge.refs:  # every lane of every model: recovered work keeps its lane
+            entries = self.bridge.abandoned(ref, in_flight=in_flight, others=others)
+            self.bridge.requeue_lost(ref, [e for e in entries if not e.crashed])
             takes: dict[str, list[Abandoned]] = {}
             for e in entries:
                 if e.crashed:
                     takes.setdefault(e.exec_id, []).append(e)
             for dead_take in takes.values():
-                self._recover_take(model, dead_take)
-            self.stats.recovered += len(self.bridge.unstick_intermediate(model, older_than_s=STUCK_INTERMEDIATE_S))
+                self._recover_take(ref, dead_take)
+            self.stats.recovered += len(self.bridge.unstick_intermediate(ref, older_than_s=STUCK_INTERMEDIATE_S))
         self._return_dead_senders_notices()
         self.bridge.cleanup_registries()
         trim_indexes(self.redis, self.keys, batch_age_s=batch_ttl_s, worker_age_s=WORKER_INDEX_AGE_S)
@@ -104,11 +104,11 @@ class RecoveryPass:
                     log.warning("returned the notice worker %s was sending when it died", name)
                 self.redis.srem(self.keys.notice_senders(), raw)
 
-    def _recover_take(self, model: str, entries: list[Abandoned]) -> None:
+    def _recover_take(self, ref: QueueRef, entries: list[Abandoned]) -> None:
         ids = [e.job_id for e in entries]
         crashes = {i: c + 1 for i, c in self.bridge.crash_counts(ids).items()}
         groups = plan_recovery(ids, crashes)
-        if self.bridge.to_suspects(model, entries, crashes, groups):
+        if self.bridge.to_suspects(ref, entries, crashes, groups):
             self.stats.recovered += len(ids)
             self.stats.crashes_survived += 1
             log.warning(

@@ -16,6 +16,7 @@ from shared.store import DEFAULT_BATCH_TTL_S
 class WorkerSettings:
     burst: bool = False
     max_wait_ms: int = 10000
+    bulk_every_takes: int = 4  # bulk gets the next take after this many interactive takes in a row (worker.lanes)
     heartbeat_interval_s: float = 3.0
     job_heartbeat_ttl_s: float = 20.0
     worker_ttl_s: int = 20

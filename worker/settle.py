@@ -2,7 +2,7 @@
 
 A row is carried through the batch as one record (what was taken, its decoded job, its result), so nothing
 is decoded twice. Writes go follow-ups first (one transaction per batch), then results, then RQ's
-bookkeeping (one pipeline per model): a crash in between re-runs a job, never loses one.
+bookkeeping (one pipeline per queue): a crash in between re-runs a job, never loses one.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis.exceptions
@@ -19,9 +19,9 @@ from redis import Redis
 from shared.enqueue import EnqueueSettings, Entry, enqueue_absent, queues_for
 from shared.errors import BAD_PAYLOAD, CANCELLED, EXPIRED, WORKER_DIED, ValidationError
 from shared.job import Job
-from shared.keys import Keys
+from shared.keys import Keys, QueueRef
 from shared.result import Result
-from shared.store import BatchFlags, batch_flags, promote_step, record_results
+from shared.store import BatchFlags, batch_flags, promote_step, record_results, reopen_failed
 from worker.config import ModelsConfig
 from worker.followups import escalates, follow_up
 from worker.outputs import RowOutput
@@ -38,6 +38,11 @@ class Row:
     raw: RawJob
     job: Job | None = None
     result: Result | None = None
+    lane: str = field(kw_only=True)  # the lane it was taken from: its started entry is in that queue's registry
+
+    @property
+    def ref(self) -> QueueRef:
+        return QueueRef(self.model, self.lane)
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class Settler:
     def triage(self, taken: Sequence[Row]) -> Triage:
         decoded = [self._decode(row) for row in taken]
         jobs = [row for row in decoded if row.job is not None and row.result is None]
+        self._reopen_requeued(jobs)
         done = self._already_done(jobs)
         flags = self._flags({row.job.batch for row in jobs if row.job and row.job.batch})
         settled: list[Row] = []
@@ -113,6 +119,20 @@ class Settler:
             msg = f"job for {job.model!r} found on the {row.model} queue"
             return replace(row, result=self.failure_from(row, BAD_PAYLOAD, msg))
         return replace(row, job=job)
+
+    def _reopen_requeued(self, rows: Sequence[Row]) -> None:
+        """Jobs recorded as failed and then requeued (`rq requeue`, retry-failed) run again: their failure is
+        taken back from the batch first, so the new run's result is the one recorded."""
+        requeued = [row for row in rows if row.raw.failed_before and row.job is not None]
+        for row in requeued:
+            job = row.job
+            assert job is not None
+            try:
+                if job.batch and reopen_failed(self.redis, self.keys, job.batch, job.custom_id, row.raw.id):
+                    log.info("job %s was requeued after failing: running it again", row.raw.id)
+            except redis.exceptions.ResponseError:
+                pass  # a batch key of the wrong type: writing this job's result refuses it (and quarantines)
+        self.bridge.clear_failed([row.raw.id for row in requeued])
 
     def _already_done(self, rows: Sequence[Row]) -> set[str]:
         """Jobs whose result was written before a crash: a finished job never runs again."""
@@ -222,11 +242,9 @@ class Settler:
         """The runnable rows with their results (the engine's outputs, index-aligned with `triage.runnable`)."""
         n = len(triage.runnable)
         return [
-            Row(
-                r.model,
-                r.raw,
-                r.job,
-                self.to_result(
+            replace(
+                r,
+                result=self.to_result(
                     r, out, engine_s=engine_s, batch_size=n, flags=triage.flags.get(r.job.batch or "", BatchFlags())
                 ),
             )
@@ -267,15 +285,15 @@ class Settler:
                 log.warning("job %s: %r is not an item of batch %s", row.raw.id, result.custom_id, result.batch)
             elif not outcome and result.final:
                 duplicates += 1  # a second final answer was refused: counted, so tests and operators see it
-        by_model: dict[str, list[tuple[str, str | None]]] = {}
+        by_queue: dict[QueueRef, list[tuple[str, str | None]]] = {}
         for row in rows:
             result = row.result
             error = None if result is None or result.error is None else f"{result.error.type}: {result.error.message}"
-            by_model.setdefault(row.model, []).append((row.raw.id, error))
+            by_queue.setdefault(row.ref, []).append((row.raw.id, error))
         if duplicates:
             self.redis.incrby(self.keys.counter("duplicate_final_results"), duplicates)
-        for model, done in by_model.items():
-            self.bridge.finish(model, done, ttl_s=ttl_s)
+        for ref, done in by_queue.items():
+            self.bridge.finish(ref, done, ttl_s=ttl_s)
         return Written(created, duplicates)
 
 

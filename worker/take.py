@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shared.keys import QueueRef
 from worker.config import ModelsConfig
 from worker.policy import QueueState
 from worker.rqcompat import RQBridge
@@ -42,31 +43,33 @@ class Taker:
         self.idle_peers = idle_peers
         self.suspect_turn = True  # suspect groups and normal takes alternate: neither waits behind the other
 
-    def take(self, model: str, states: dict[str, QueueState], *, suspects: int, queued: int) -> Take:
+    def take(self, ref: QueueRef, states: dict[QueueRef, QueueState], *, suspects: int, queued: int) -> Take:
         self.bridge.begin_batch()
         ttl = self.settings.job_heartbeat_ttl_s
         group = None
         if suspects and (self.suspect_turn or not queued):
-            group = self.bridge.take_group(model, ttl_s=ttl)
+            group = self.bridge.take_group(ref, ttl_s=ttl)
         self.suspect_turn = group is None
         if group is not None:
-            return Take([Row(model, r) for r in group.jobs], dead=group.dead)
-        limit = tail_take(self.capacity(model), queued, idle_peers=self.idle_peers())
-        rows = [Row(model, r) for r in self.bridge.load(self.bridge.take(model, limit, ttl_s=ttl))]
-        for other in self._tail_models(model, len(rows), limit, states):
+            return Take([Row(ref.model, r, lane=ref.lane) for r in group.jobs], dead=group.dead)
+        limit = tail_take(self.capacity(ref.model), queued, idle_peers=self.idle_peers())
+        rows = [Row(ref.model, r, lane=ref.lane) for r in self.bridge.load(self.bridge.take(ref, limit, ttl_s=ttl))]
+        for other in self._tail_queues(ref, len(rows), limit, states):
             room = limit - len(rows)
-            rows += [Row(other, r) for r in self.bridge.load(self.bridge.take(other, room, ttl_s=ttl))]
+            taken = self.bridge.load(self.bridge.take(other, room, ttl_s=ttl))
+            rows += [Row(other.model, r, lane=other.lane) for r in taken]
         return Take(rows)
 
-    def _tail_models(self, model: str, n: int, limit: int, states: dict[str, QueueState]) -> list[str]:
-        """Models on the same base whose whole queue fits the rest of this take, once this model's queue ends
-        in it (a small tail): mixing them saves a switch for a few rows."""
-        if not self.settings.mixed_tails or n >= limit or states[model].depth > n:
+    def _tail_queues(self, ref: QueueRef, n: int, limit: int, states: dict[QueueRef, QueueState]) -> list[QueueRef]:
+        """The same lane of models on the same base whose whole queue fits the rest of this take, once this
+        queue ends in it (a small tail): mixing them saves a switch for a few rows."""
+        if not self.settings.mixed_tails or n >= limit or states[ref].depth > n:
             return []
         out, room = [], limit - n
         for other in self.config.names:
-            depth = states[other].depth
-            if other != model and self.config.shares_base(model, other) and 0 < depth <= room:
-                out.append(other)
+            tail = QueueRef(other, ref.lane)
+            depth = states[tail].depth
+            if other != ref.model and self.config.shares_base(ref.model, other) and 0 < depth <= room:
+                out.append(tail)
                 room -= depth
         return out

@@ -18,10 +18,18 @@ from rq.job import Job as RQJob
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 
 from shared.errors import PayloadError
-from shared.keys import Keys
+from shared.keys import Keys, QueueRef, queue_refs
 from shared.quarantine import Quarantine
 from shared.serializer import serializer
-from worker.rqcompat.decode import RawJob, decode_job, parse_rq_time, rq_now, valid_id
+from worker.rqcompat.decode import (
+    CRASHES_FIELD,
+    FAILED_FIELD,
+    RawJob,
+    decode_job,
+    parse_rq_time,
+    rq_now,
+    valid_id,
+)
 from worker.rqcompat.reclaim import Reclaim
 from worker.rqcompat.registration import Registration
 from worker.rqcompat.scripts import _RECOVER_LUA, _REQUEUE_LUA, _TAKE_GROUP_LUA, _TAKE_LUA, _UNSTICK_LUA
@@ -54,7 +62,11 @@ class RQBridge(Registration, Reclaim):
         # A new incarnation per process: entries of an earlier process with the same --name are a crash's.
         self.incarnation = uuid.uuid4().hex[:8]
         self.quarantine = Quarantine(redis, keys)
-        self.queues = {m: Queue(keys.queue_name(m), connection=redis, serializer=serializer) for m in models}
+        # Each model's lanes in priority order (RQ's worker registration lists them so, as `rq info` shows).
+        self.refs = queue_refs(list(models))
+        self.queues = {
+            r: Queue(keys.queue_name(r.model, r.lane), connection=redis, serializer=serializer) for r in self.refs
+        }
         self.started = {m: StartedJobRegistry(queue=q) for m, q in self.queues.items()}
         self.finished = {m: FinishedJobRegistry(queue=q) for m, q in self.queues.items()}
         self.failed = {m: FailedJobRegistry(queue=q) for m, q in self.queues.items()}
@@ -67,15 +79,16 @@ class RQBridge(Registration, Reclaim):
         self.exec_id = f"{worker_name}.{self.incarnation}.0"
 
     # ---- queue facts for the policy -----------------------------------------------------------
-    def queue_facts(self, *, move_aside: bool = True) -> dict[str, QueueFacts]:
-        """Per model: queue length, the head job's enqueue time, and suspect groups waiting. A key of the wrong
-        type reads as empty and (unless `move_aside` is False: a metrics scrape writes nothing) is moved aside."""
-        models = list(self.queues)
+    def queue_facts(self, *, move_aside: bool = True) -> dict[QueueRef, QueueFacts]:
+        """Per model and lane: queue length, the head job's enqueue time, and suspect groups waiting. A key of
+        the wrong type reads as empty and (unless `move_aside` is False: a metrics scrape writes nothing) is
+        moved aside."""
+        refs = self.refs
         with self.redis.pipeline(transaction=False) as pipe:
-            for m in models:
-                pipe.llen(self.queues[m].key)
-                pipe.lindex(self.queues[m].key, 0)
-                pipe.llen(self.keys.suspects(m))
+            for ref in refs:
+                pipe.llen(self.queues[ref].key)
+                pipe.lindex(self.queues[ref].key, 0)
+                pipe.llen(self.keys.suspects(ref.model, ref.lane))
             raw = pipe.execute(raise_on_error=False)
         heads = [valid_id(h) if isinstance(h, bytes) else None for h in raw[1::3]]
         with self.redis.pipeline(transaction=False) as pipe:
@@ -83,14 +96,14 @@ class RQBridge(Registration, Reclaim):
                 pipe.hget(RQJob.key_for(head), "enqueued_at") if head else pipe.echo("")
             times = pipe.execute(raise_on_error=False)
         out = {}
-        for i, m in enumerate(models):
+        for i, ref in enumerate(refs):
             depth, groups = raw[3 * i], raw[3 * i + 2]
             if isinstance(depth, Exception) and move_aside:
-                self.quarantine.move_key(self.queues[m].key, "queue key is not a list")
+                self.quarantine.move_key(self.queues[ref].key, "queue key is not a list")
             if isinstance(groups, Exception) and move_aside:
-                self.quarantine.move_key(self.keys.suspects(m), "suspects key is not a list")
+                self.quarantine.move_key(self.keys.suspects(ref.model, ref.lane), "suspects key is not a list")
             when = times[i] if isinstance(times[i], bytes) else None
-            out[m] = QueueFacts(
+            out[ref] = QueueFacts(
                 depth=depth if isinstance(depth, int) else 0,
                 oldest_enqueued_at=parse_rq_time(when),
                 suspect_groups=groups if isinstance(groups, int) else 0,
@@ -104,30 +117,30 @@ class RQBridge(Registration, Reclaim):
         self._seq += 1
         self.exec_id = f"{self.worker_name}.{self.incarnation}.{self._seq}"
 
-    def take(self, model: str, n: int, *, ttl_s: float) -> list[str]:
+    def take(self, ref: QueueRef, n: int, *, ttl_s: float) -> list[str]:
         """Atomically pop up to n job ids and register them as started by this worker. Ids that are not
         ids (bad bytes) are quarantined and dropped from the registry."""
         if n <= 0:
             return []
         try:
             raw = self._take(
-                keys=[self.queues[model].key, self.started[model].key, _JOB_PREFIX],
+                keys=[self.queues[ref].key, self.started[ref].key, _JOB_PREFIX],
                 args=[n, time.time() + ttl_s, self.exec_id, self.worker_name, rq_now()],
             )
         except redis.exceptions.ResponseError as exc:
-            self._bad_take(model, exc)
+            self._bad_take(ref, exc)
             return []
-        return self._screen(model, raw, where=self.queues[model].key)
+        return self._screen(ref, raw, where=self.queues[ref].key)
 
-    def take_group(self, model: str, *, ttl_s: float) -> SuspectTake | None:
+    def take_group(self, ref: QueueRef, *, ttl_s: float) -> SuspectTake | None:
         """Atomically pop one suspect group and register its jobs as started; None when there is none."""
         try:
             raw = self._take_group(
-                keys=[self.keys.suspects(model), self.started[model].key, _JOB_PREFIX],
+                keys=[self.keys.suspects(ref.model, ref.lane), self.started[ref].key, _JOB_PREFIX],
                 args=[time.time() + ttl_s, self.exec_id, self.worker_name, rq_now()],
             )
         except redis.exceptions.ResponseError as exc:
-            self._bad_take(model, exc, key=self.keys.suspects(model))
+            self._bad_take(ref, exc, key=self.keys.suspects(ref.model, ref.lane))
             return None
         if not raw:
             return None
@@ -135,26 +148,26 @@ class RQBridge(Registration, Reclaim):
         try:
             dead = bool(orjson.loads(record).get("dead"))
         except (orjson.JSONDecodeError, AttributeError):
-            self.quarantine.put(self.keys.suspects(model), "suspect group is not a JSON record", record)
+            self.quarantine.put(self.keys.suspects(ref.model, ref.lane), "suspect group is not a JSON record", record)
             dead = False
-        good = self._screen(model, ids, where=self.keys.suspects(model))
+        good = self._screen(ref, ids, where=self.keys.suspects(ref.model, ref.lane))
         return SuspectTake(self.load(good), dead=dead)
 
-    def _bad_take(self, model: str, exc: redis.exceptions.ResponseError, *, key: str | None = None) -> None:
+    def _bad_take(self, ref: QueueRef, exc: redis.exceptions.ResponseError, *, key: str | None = None) -> None:
         if "KEVLAYA_BAD_REGISTRY" in str(exc):
-            self.quarantine.move_key(self.started[model].key, "started registry is not a sorted set")
+            self.quarantine.move_key(self.started[ref].key, "started registry is not a sorted set")
         elif "WRONGTYPE" in str(exc):
-            self.quarantine.move_key(key or self.queues[model].key, "key is not a list")
+            self.quarantine.move_key(key or self.queues[ref].key, "key is not a list")
         else:
             raise exc
 
-    def _screen(self, model: str, raw_ids: Sequence[bytes], *, where: str) -> list[str]:
+    def _screen(self, ref: QueueRef, raw_ids: Sequence[bytes], *, where: str) -> list[str]:
         good = []
         for raw in raw_ids:
             job_id = valid_id(raw)
             if job_id is None:
                 self.quarantine.put(where, "not a job id (bad bytes or characters)", raw)
-                self.redis.zrem(self.started[model].key, raw + b":" + self.exec_id.encode())
+                self.redis.zrem(self.started[ref].key, raw + b":" + self.exec_id.encode())
             else:
                 good.append(job_id)
         return good
@@ -175,28 +188,36 @@ class RQBridge(Registration, Reclaim):
         return out
 
     # ---- heartbeat ----------------------------------------------------------------------------
-    def heartbeat(self, model: str, ids: Iterable[str], *, ttl_s: float) -> None:
+    def heartbeat(self, ref: QueueRef, ids: Iterable[str], *, ttl_s: float) -> None:
         members = {f"{i}:{self.exec_id}": time.time() + ttl_s for i in ids}
         if members:
-            self.redis.zadd(self.started[model].key, members, xx=True)
+            self.redis.zadd(self.started[ref].key, members, xx=True)
 
     # ---- finalise -----------------------------------------------------------------------------
-    def finish(self, model: str, done: Sequence[tuple[str, str | None]], *, ttl_s: int) -> None:
+    def finish(self, ref: QueueRef, done: Sequence[tuple[str, str | None]], *, ttl_s: int) -> None:
         """Move each (job_id, error message or None) out of started into finished/failed, in one pipeline.
         A hostile job key of the wrong type fails only its own commands (raise_on_error=False)."""
         now_s, stamp = time.time(), rq_now()
         with self.redis.pipeline(transaction=False) as pipe:
             for job_id, error in done:
-                pipe.zrem(self.started[model].key, f"{job_id}:{self.exec_id}")
+                pipe.zrem(self.started[ref].key, f"{job_id}:{self.exec_id}")
                 key = RQJob.key_for(job_id)
                 if error is None:
-                    pipe.zadd(self.finished[model].key, {job_id: now_s + ttl_s})
+                    pipe.zadd(self.finished[ref].key, {job_id: now_s + ttl_s})
                     pipe.hset(key, mapping={"status": "finished", "ended_at": stamp})
+                    pipe.hdel(key, FAILED_FIELD)
                 else:
-                    pipe.zadd(self.failed[model].key, {job_id: now_s + ttl_s})
+                    pipe.zadd(self.failed[ref].key, {job_id: now_s + ttl_s})
                     exc = zlib.compress(error.encode("utf-8", "replace"))
-                    pipe.hset(key, mapping={"status": "failed", "ended_at": stamp, "exc_info": exc})
+                    pipe.hset(key, mapping={"status": "failed", "ended_at": stamp, "exc_info": exc, FAILED_FIELD: "1"})
                 pipe.expire(key, ttl_s)
+            pipe.execute(raise_on_error=False)
+
+    def clear_failed(self, ids: Sequence[str]) -> None:
+        """Requeued failures about to run again: no longer marked failed, earlier crashes no longer count."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hdel(RQJob.key_for(job_id), FAILED_FIELD, CRASHES_FIELD)
             pipe.execute(raise_on_error=False)
 
     def cleanup_registries(self) -> None:

@@ -17,6 +17,9 @@ from shared.serializer import serializer
 CALLBACK_FIELDS = ("success_callback_name", "failure_callback_name", "stopped_callback_name")
 ATTEMPTS_FIELD = "kevlaya_attempts"
 CRASHES_FIELD = "kevlaya_crashes"  # how many times a worker died while running this job
+# Set when a worker records the job as failed; a job taken while it is set was requeued after failing (`rq
+# requeue`, or retry-failed) and runs again -- unlike a job whose answer was written before a crash.
+FAILED_FIELD = "kevlaya_failed"
 MAX_DATA_BYTES = 4 << 20  # a job's inflated payload; real ones are < 200 KiB (shared.job.Limits)
 
 
@@ -62,6 +65,7 @@ class RawJob:
     attempts: int
     crashes: int
     enqueued_at: float | None
+    failed_before: bool = False  # recorded as failed, then requeued (FAILED_FIELD)
 
 
 def decode_job(job_id: str, raw: dict[bytes, bytes]) -> RawJob:
@@ -70,13 +74,14 @@ def decode_job(job_id: str, raw: dict[bytes, bytes]) -> RawJob:
     attempts = _int(raw.get(ATTEMPTS_FIELD.encode())) if raw else 0
     crashes = _int(raw.get(CRASHES_FIELD.encode())) if raw else 0
     enqueued = parse_rq_time(raw.get(b"enqueued_at")) if raw else None
+    failed = bool(raw.get(FAILED_FIELD.encode())) if raw else False
     payload: dict[str, Any] | None = None
     try:
         func, payload = _unpack(raw)
         _check(raw, func, payload)
     except PayloadError as problem:
-        return RawJob(job_id, payload, problem, attempts, crashes, enqueued)
-    return RawJob(job_id, payload, None, attempts, crashes, enqueued)
+        return RawJob(job_id, payload, problem, attempts, crashes, enqueued, failed)
+    return RawJob(job_id, payload, None, attempts, crashes, enqueued, failed)
 
 
 def _unpack(raw: dict[bytes, bytes]) -> tuple[Any, dict[str, Any] | None]:

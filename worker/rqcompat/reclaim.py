@@ -15,7 +15,7 @@ from rq import Queue
 from rq.job import Job as RQJob
 from rq.registry import StartedJobRegistry
 
-from shared.keys import Keys
+from shared.keys import Keys, QueueRef
 from shared.quarantine import Quarantine
 from worker.recovery import SuspectGroup
 from worker.rqcompat.decode import CRASHES_FIELD, _int, valid_id
@@ -41,21 +41,21 @@ class Reclaim:
     keys: Keys
     worker_name: str
     incarnation: str
-    queues: dict[str, Queue]
-    started: dict[str, StartedJobRegistry]
+    queues: dict[QueueRef, Queue]
+    started: dict[QueueRef, StartedJobRegistry]
     quarantine: Quarantine
     _recover: Any
     _requeue: Any
     _unstick: Any
 
-    def abandoned(self, model: str, *, in_flight: set[str], others: bool) -> list[Abandoned]:
+    def abandoned(self, ref: QueueRef, *, in_flight: set[str], others: bool) -> list[Abandoned]:
         """Started entries nobody is working on any more:
         - ours whose heartbeat lapsed and that we are not running (we lost track, e.g. Redis failed mid-write);
         - an earlier process's under our name (we took its name over, so it is dead): crashed;
         - another worker's, once that worker is gone (its key expired or records a death), if `others`.
         A live worker's entries are never taken, even with a lapsed score: after a Redis outage every score
         may have lapsed while their owners are still running them."""
-        key = self.started[model].key
+        key = self.started[ref].key
         try:
             entries = self.redis.zrange(key, 0, -1, withscores=True)
         except redis.exceptions.ResponseError:
@@ -89,27 +89,25 @@ class Reclaim:
             raw = pipe.execute(raise_on_error=False)
         return {i: _int(v) if isinstance(v, bytes) else 0 for i, v in zip(ids, raw, strict=True)}
 
-    def requeue_lost(self, model: str, entries: Sequence[Abandoned]) -> None:
+    def requeue_lost(self, ref: QueueRef, entries: Sequence[Abandoned]) -> None:
         """Our own entries we lost track of: back to the queue front as they were (no crash counted). A queue
         key of the wrong type is moved aside first (the script refuses before it removes anything)."""
         args = [x for e in entries for x in (e.member, e.job_id)]
         if args:
-            self._script_on_queue(
-                model, self._requeue, [self.started[model].key, self.queues[model].key, _JOB_PREFIX], args
-            )
+            self._script_on_queue(ref, self._requeue, [self.started[ref].key, self.queues[ref].key, _JOB_PREFIX], args)
 
-    def _script_on_queue(self, model: str, script: Any, keys: list[str], args: list[Any]) -> Any:
+    def _script_on_queue(self, ref: QueueRef, script: Any, keys: list[str], args: list[Any]) -> Any:
         """Run a script that pushes onto the model's queue; once more after moving a wrong-typed queue aside."""
         try:
             return script(keys=keys, args=args)
         except redis.exceptions.ResponseError as exc:
             if "KEVLAYA_BAD_QUEUE" not in str(exc):
                 raise
-            self.quarantine.move_key(self.queues[model].key, "queue key is not a list")
+            self.quarantine.move_key(self.queues[ref].key, "queue key is not a list")
             return script(keys=keys, args=args)
 
     def to_suspects(
-        self, model: str, entries: Sequence[Abandoned], crashes: dict[str, int], groups: Sequence[SuspectGroup]
+        self, ref: QueueRef, entries: Sequence[Abandoned], crashes: dict[str, int], groups: Sequence[SuspectGroup]
     ) -> bool:
         """Move a dead take's entries into suspect groups at the front, atomically. False if another worker
         claimed any of them first (it recovers them)."""
@@ -118,14 +116,14 @@ class Reclaim:
         for job_id, count in crashes.items():
             args += [job_id, count]
         done = self._recover(
-            keys=[self.started[model].key, self.keys.suspects(model), _JOB_PREFIX], args=[*args, *records]
+            keys=[self.started[ref].key, self.keys.suspects(ref.model, ref.lane), _JOB_PREFIX], args=[*args, *records]
         )
         return bool(done)
 
-    def unstick_intermediate(self, model: str, *, older_than_s: float) -> list[str]:
+    def unstick_intermediate(self, ref: QueueRef, *, older_than_s: float) -> list[str]:
         """Ids left in RQ's intermediate list (by RQ tooling or a stock worker) for longer than older_than_s,
         moved back to the front of their queue (atomically). Returns them."""
-        key = self.queues[model].intermediate_queue_key
+        key = self.queues[ref].intermediate_queue_key
         try:
             raws = self.redis.lrange(key, 0, -1)
         except redis.exceptions.ResponseError:
@@ -146,16 +144,16 @@ class Reclaim:
             except ValueError:
                 first = 0.0
             if time.time() - first > older_than_s:
-                names = [key, self.queues[model].key, _JOB_PREFIX]
-                if self._script_on_queue(model, self._unstick, names, [job_id]):
+                names = [key, self.queues[ref].key, _JOB_PREFIX]
+                if self._script_on_queue(ref, self._unstick, names, [job_id]):
                     out.append(job_id)
         return out
 
     def pending_started(self) -> int:
         total = 0
-        for m, registry in self.started.items():
+        for ref, registry in self.started.items():
             try:
-                total += self.redis.zcard(registry.key) + self.redis.llen(self.keys.suspects(m))
+                total += self.redis.zcard(registry.key) + self.redis.llen(self.keys.suspects(ref.model, ref.lane))
             except redis.exceptions.ResponseError:
                 continue
         return total

@@ -15,6 +15,7 @@ from rq.suspension import is_suspended
 from rq.worker import SimpleWorker
 
 from shared.errors import WorkerNameTakenError
+from shared.keys import QueueRef
 from shared.serializer import serializer
 from worker.rqcompat.decode import _int, parse_rq_time
 
@@ -24,7 +25,7 @@ class Registration:
 
     redis: Redis
     worker_name: str
-    queues: dict[str, Queue]
+    queues: dict[QueueRef, Queue]
 
     def make_rq_worker(self, worker_ttl_s: int) -> SimpleWorker:
         return SimpleWorker(
