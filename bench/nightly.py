@@ -49,6 +49,7 @@ from worker.settings import WorkerSettings
 from worker.tools.demo import prepare_models
 from worker.tools.embedded_redis import EmbeddedRedis
 
+DEFAULTS = WorkerSettings()  # what a user gets
 WORDS = tuple(
     "loan income debt ratio history clean late payments amount requested category personal car home business "
     "employer years stable savings collateral guarantor approve reject review risk score policy limit".split()
@@ -203,7 +204,8 @@ def interactive(redis: Redis, engine: Engine, *, bulk: int, rate_per_s: float, n
         "bulk_alone_s": alone_s,
         "bulk_with_interactive_s": with_stream_s,
         "bulk_throughput_drop": 1 - alone_s / with_stream_s,
-        "settings": "worker defaults (max_wait_ms 2000, bulk_every_takes 4)",
+        "settings": f"worker defaults (max_wait_ms {DEFAULTS.max_wait_ms}, "
+        f"bulk_every_takes {DEFAULTS.bulk_every_takes})",
     }
 
 
