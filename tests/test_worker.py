@@ -171,7 +171,9 @@ def test_sigterm_finishes_the_batch_and_leaves_the_rest_queued(
 def test_two_workers_on_one_redis_run_every_job_once(
     client: Client, redis: Redis, redis_url: str, nf4_config: Path, tmp_path: Path
 ) -> None:
-    handle = client.submit_batch(mixed(700), escalate=False)
+    # Enough jobs for ~30 takes of 8 between two workers (the race is per take, not per job); 700 jobs ran
+    # ~250 s on 2 loaded cores, against the 300 s limit.
+    handle = client.submit_batch(mixed(240), escalate=False)
     procs = [
         spawn_worker(
             redis_url, nf4_config, "--burst", "--max-batch-rows", "10", "--name", f"w{i}", log=tmp_path / "w.log"
@@ -179,9 +181,9 @@ def test_two_workers_on_one_redis_run_every_job_once(
         for i in range(2)
     ]
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
-    assert_each_item_answered_once(client, redis, handle.id, 700)
+    assert_each_item_answered_once(client, redis, handle.id, 240)
     ran = [int(redis.hget(Keys().worker_stats(f"w{i}"), "jobs") or 0) for i in range(2)]
-    assert sum(ran) == 700, f"jobs run per worker: {ran}"
+    assert sum(ran) == 240, f"jobs run per worker: {ran}"
     assert min(ran) > 0, "both workers should have taken work"
 
 
