@@ -32,17 +32,22 @@ from worker.tools.tinymodel import SPECIAL_TOKENS
 from worker.tools.train import train_models
 
 log = logging.getLogger("kevlaya.demo_models")
-VERSION = 7
+VERSION = 8
 TRAIN_ROWS, HELDOUT_ROWS = 2000, 400
 CHECK_ROWS = 600  # the second held-out split: only Laya runs on it (cheap), and more items, less ECE noise
 TARGET_ESCALATION = 0.25  # the demo's escalation budget; the threshold is picked from data to spend it
 # The seed's learning rates are for a 1.5B model; a ~1M-parameter demo model needs far larger steps.
 DEMO_TRAIN = {"lr": 3e-3, "batch_size": 8, "grad_accum": 1}
-# Epochs per model, from design trials of this task (same code, float32 LoRA on a GPU, 600 held-out cases):
+# Epochs per model, from design trials of this task's earlier mix (float32 LoRA on a GPU, 600 held-out cases):
 # Kev learns its steps in one epoch (Kev 0.94; two epochs: 0.98, but then Kev alone beat the cascade);
 # Laya needs two (three collapsed it to 0.58, mostly one label).
 DEMO_EPOCHS = {"kev": 1.0, "laya": 2.0}
 DEMO_LR = {"kev": 3e-3, "laya": 3e-3}
+# One CPU thread for the whole build: the demo model's matrices are 128 wide, and two threads on a machine
+# where another process holds a core wait on each other at every op (measured on 2 cores beside another
+# test run, load 4-5: 20 base-model steps in 110 s with two threads, 20 s with one; the earlier 28-minute
+# builds were this). The whole build with one thread: 4 min 53 s at load 5 -> 3.
+BUILD_THREADS = 1
 
 
 def build_demo_models(
@@ -64,6 +69,15 @@ def build_demo_models(
     }
     if marker.is_file() and json.loads(marker.read_text()).get("want") == want and (out / "models.toml").is_file():
         return out / "models.toml"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(BUILD_THREADS)
+    try:
+        return _build(out, marker, want, train_rows=train_rows, heldout_rows=heldout_rows, check_rows=check_rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build(out: Path, marker: Path, want: dict, *, train_rows: int, heldout_rows: int, check_rows: int) -> Path:
     start = time.time()
     toml = out / "models.toml"
     trained = out / ".trained.json"  # training done: a failed calibration step does not cost a retrain
