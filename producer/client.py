@@ -10,8 +10,9 @@ from typing import Any
 
 import orjson
 from redis import Redis
-from redis.exceptions import ResponseError, WatchError
+from redis.exceptions import WatchError
 
+from producer.reads import BatchReads
 from shared import models as known_models
 from shared.conn import connect
 from shared.enqueue import (
@@ -23,7 +24,6 @@ from shared.enqueue import (
     enqueue_entries,
     expected_types,
     job_key,
-    lane_depths,
     queues_for,
     stored_jobs,
 )
@@ -31,11 +31,9 @@ from shared.errors import (
     CANCELLED,
     EXPIRED,
     BatchClosedError,
-    BatchNotFoundError,
     KevlayaError,
     SubmissionError,
     ValidationError,
-    WaitTimeoutError,
 )
 from shared.job import DEFAULT_LIMITS, Job, Limits
 from shared.keys import BATCH_ID_RE, BULK, DEFAULT_PREFIX, INTERACTIVE, LANES, Keys, QueueRef, followup_id, job_id
@@ -45,11 +43,8 @@ from shared.store import (
     DEFAULT_BATCH_TTL_S,
     BatchRecord,
     batch_state,
-    iter_export,
     notify_if_done,
     promote_step,
-    quarantine_summary,
-    read_batch,
     record_result,
 )
 
@@ -97,7 +92,7 @@ class BatchHandle:
         return self.client.wait(self.id, poll_s=poll_s, timeout_s=timeout_s)
 
 
-class Client:
+class Client(BatchReads):
     """Producer API. `Client(redis_url=...)` or `Client(redis=...)`; all keys under `prefix`."""
 
     def __init__(
@@ -275,91 +270,6 @@ class Client:
                 pipe.lrem(self.queues[e.job.queue].key, 1, e.job_id)
             pipe.delete(*[job_key(e.job_id) for e in entries])
             pipe.execute(raise_on_error=False)
-
-    # ---- follow ---------------------------------------------------------------------------
-    def status(self, batch: str) -> BatchRecord:
-        return read_batch(self.redis, self.keys, batch)
-
-    def wait(
-        self, batch: str, *, poll_s: float = 0.5, timeout_s: float | None = None, on_poll: Any = None
-    ) -> BatchRecord:
-        """Poll until every item has a final result; returns the complete record. Raises WaitTimeoutError
-        if timeout_s passes first (the batch goes on; wait again or export what is done)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        # The worker that writes a batch's last result announces it on the events channel: the wait wakes
-        # on that message, and polls at `poll_s` only to show progress (and in case a message was missed).
-        with self.redis.pubsub(ignore_subscribe_messages=True) as events:
-            events.subscribe(self.keys.events())
-            while True:
-                record = self.status(batch)
-                if on_poll is not None:
-                    on_poll(record)
-                if record.complete:
-                    return record
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    c = record.counts
-                    raise WaitTimeoutError.for_batch(batch, c.done, c.total, timeout_s)
-                events.get_message(timeout=poll_s if left is None else min(poll_s, left))
-
-    def workers_seen(self, within_s: float = 60.0) -> int:
-        """Workers whose heartbeat is younger than within_s."""
-        return int(self.redis.zcount(self.keys.workers(), time.time() - within_s, "+inf"))
-
-    def result(self, job_id_or_batch: str, custom_id: str | None = None) -> dict[str, Any] | None:
-        """One item's final answer (or error), or None while it is pending: by (batch, custom_id), or by the
-        job id `submit` returned."""
-        if custom_id is None:
-            batch, _, _ = job_id_or_batch.rpartition("-")
-            ids = {
-                job_id(batch, c.decode()): c.decode() for c in self.redis.sscan_iter(self.keys.batch_item_set(batch))
-            }
-            if job_id_or_batch not in ids:
-                raise BatchNotFoundError(f"no job {job_id_or_batch!r}")
-            custom_id = ids[job_id_or_batch]
-        else:
-            batch = job_id_or_batch
-        raw = self.redis.hget(self.keys.batch_results(batch), custom_id)
-        return None if raw is None else orjson.loads(raw)
-
-    def iter_results(self, batch: str) -> Iterator[dict[str, Any]]:
-        """One dict per item in input order: final answer (with its escalation chain) or error."""
-        return iter_export(self.redis, self.keys, batch)
-
-    def _worker_row(self, raw_name: bytes, age_s: float) -> dict[str, Any]:
-        name = raw_name.decode("utf-8", "replace")
-        fields = ("jobs", "batches", "out_of_memory", "quarantined", "crashes_survived")
-        try:
-            values = self.redis.hmget(self.keys.worker_stats(name), fields)
-        except ResponseError:
-            values = [None] * len(fields)
-        counts = {f: int(v) for f, v in zip(fields, values, strict=True) if v is not None and v.isdigit()}
-        return {"name": name, "last_seen_s": round(age_s, 1), **counts}
-
-    def batches(self, *, limit: int = 20) -> list[BatchRecord]:
-        """The newest batches first (those whose keys have expired are left out)."""
-        out = []
-        for raw in self.redis.zrevrange(self.keys.batches(), 0, max(limit * 2, limit) - 1):
-            try:
-                out.append(self.status(raw.decode("utf-8", "replace")))
-            except BatchNotFoundError:
-                continue
-            if len(out) >= limit:
-                break
-        return out
-
-    def overview(self) -> dict[str, Any]:
-        """Per model and lane: jobs queued and the head's wait in seconds; the workers seen in the last minute."""
-        now = time.time()
-        workers = self.redis.zrangebyscore(self.keys.workers(), now - 60, "+inf", withscores=True)
-        queues: dict[str, dict[str, dict[str, Any]]] = {}
-        for ref, d in lane_depths(self.redis, self.queues).items():
-            queues.setdefault(ref.model, {})[ref.lane] = {"queued": d.queued, "oldest_wait_s": d.oldest_wait_s}
-        return {
-            "queues": queues,
-            "workers": [self._worker_row(n, now - s) for n, s in workers],
-            "quarantine": quarantine_summary(self.redis, self.keys),
-        }
 
     # ---- retry ----------------------------------------------------------------------------
     def retry_failed(self, batch: str) -> int:
