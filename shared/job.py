@@ -103,6 +103,13 @@ class Job:
         """The RQ queue this job goes to: its model's lane."""
         return QueueRef(self.model, self.lane or BULK)
 
+    @property
+    def scores_choices(self) -> bool:
+        """Whether the model answers by scoring `choices`. A choice job's own model does; its escalated
+        follow-up generates instead -- the model escalated to digs deeper by writing its answer out -- and
+        that answer's decision is then read as one of the labels."""
+        return bool(self.choices) and self.parent is None
+
     # ---- encoding -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready payload, without fields left at their empty defaults."""

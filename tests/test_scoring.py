@@ -72,3 +72,35 @@ def test_the_engine_scores_choices_on_the_loop(engine: Engine) -> None:
     assert calls == [2]  # both choice jobs in one pass
     assert set(outs[0].choices) == {"yes", "no"} and outs[1].choices is None
     assert sum(outs[2].choices.values()) == pytest.approx(1.0)
+
+
+def test_an_escalated_choice_jobs_follow_up_generates_and_its_decision_is_read_as_a_label(engine: Engine) -> None:
+    """The model escalated to digs deeper by writing its answer out: a choice job's follow-up is generated
+    (the labels are not scored), and the decision it names is mapped onto the job's labels."""
+    from shared.job import Parent
+
+    parent = Parent(job_id="p", model="laya", text="approve", decision="approve", confidence=0.4)
+    own = Job(custom_id="c", model="kev", prompt="Decide", choices=("approve", "reject"))
+    follow = Job(custom_id="c", model="kev", prompt="Decide", choices=("approve", "reject"), parent=parent)
+    assert own.scores_choices and not follow.scores_choices
+    calls: list[int] = []
+    decoder = engine.decoders["default"]
+    real = decoder.score
+    decoder.score = lambda rows, **kw: calls.append(len(rows)) or real(rows, **kw)  # type: ignore[method-assign]
+    try:
+        scored, generated = engine.run([own, follow])
+    finally:
+        del decoder.score
+    assert calls == [1]  # only the job's own model scored
+    assert scored.choices is not None and scored.decision in own.choices
+    assert generated.error is None and generated.choices is None and generated.completion_tokens > 0
+
+
+def test_a_generated_decision_is_read_as_the_label_it_names() -> None:
+    from worker.outputs import RowOutput, as_label
+
+    labels = ("approve", "Needs Review")
+    assert as_label(RowOutput(decision="Approve."), labels).decision == "approve"
+    assert as_label(RowOutput(decision=" needs review"), labels).decision == "Needs Review"
+    assert as_label(RowOutput(decision="maybe"), labels).decision == "maybe"  # names none: left as written
+    assert as_label(RowOutput(decision=None), labels).decision is None

@@ -27,7 +27,7 @@ from worker.eager import generate_eager, sampling_params
 from worker.fastpath import Decoded, StaticDecoder, row_bucket
 from worker.loading import LoadedBase, load_all, stop_ids
 from worker.memory import MIB, BatchPlan
-from worker.outputs import RowOutput, generated_output, token_bytes
+from worker.outputs import RowOutput, as_label, generated_output, token_bytes
 from worker.packing import OomGuard, pack
 from worker.planner import MemoryBudget
 from worker.prompts import Encoder
@@ -217,12 +217,13 @@ class Engine:
 
     def _calibrated(self, job: Job, out: RowOutput) -> RowOutput:
         """The one place a configured calibration replaces the raw confidence (kept as raw_confidence)."""
-        return calibrated_output(out, self.config.models[job.model].calibration, scored=bool(job.choices))
+        out = calibrated_output(out, self.config.models[job.model].calibration, scored=job.scores_choices)
+        return as_label(out, job.choices) if job.choices and not job.scores_choices else out
 
     def _mode(self, job: Job) -> tuple[Any, ...]:
         """Which jobs can share a batch: choices apart from generation; on the static loop greedy and sampled rows
         together (each row samples with its own parameters), on HF generate one sampling setting per batch."""
-        if job.choices:
+        if job.scores_choices:
             return ("choices",)
         if self.config.models[job.model].base in self.decoders:
             return ("generate",)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from shared.errors import NON_FINITE_LOGITS, TIMEOUT
@@ -40,6 +40,16 @@ class RowOutput:
     @classmethod
     def failed(cls, error_type: str, message: str, prompt_tokens: int = 0) -> RowOutput:
         return cls(error=ErrorInfo(type=error_type, message=message), prompt_tokens=prompt_tokens)
+
+
+def as_label(out: RowOutput, labels: tuple[str, ...]) -> RowOutput:
+    """A generated answer to a choice job (an escalated one's follow-up) with its decision read as one of the
+    job's labels: the label it names, compared case-insensitively. A decision naming none stays as written."""
+    if out.decision is None:
+        return out
+    wanted = out.decision.strip().strip(".").casefold()
+    label = next((label for label in labels if label.casefold() == wanted), None)
+    return out if label is None else replace(out, decision=label)
 
 
 def generated_output(

@@ -254,7 +254,7 @@ class Settler:
 
     def _limit(self, job: Job) -> int | None:
         """The new-token limit the engine applied: the job's, capped by its model's (None for choices)."""
-        if job.choices:
+        if job.scores_choices:
             return None
         own = self.config.models[job.model].max_new_tokens
         return min(job.max_new_tokens, own) if job.max_new_tokens else own
