@@ -53,7 +53,7 @@ from worker.fastpath.graphs import (
 from worker.fastpath.logprobs import RowLogprobs
 from worker.fastpath.ops import prefill_attention
 from worker.fastpath.prefill import AdapterSelect, Prefill, adapter_mask
-from worker.fastpath.sampling import Sampling, draw_rows, greedy_choice
+from worker.fastpath.sampling import Sampling, draw_rows, greedy_choice, token_choice
 from worker.fastpath.scoring import Scored, ScoreRow, score_choices
 from worker.fastpath.weights import Masks, Stack
 
@@ -121,10 +121,7 @@ def choose_tokens(state: State, logits: torch.Tensor) -> None:
         token, logprob, finite = greedy_choice(logits, state.end_id)
     else:
         logits = logits.float()
-        finite = torch.isfinite(logits).all(dim=-1)
-        token = torch.where(finite, logits.argmax(dim=-1), state.end_id)
-        logp = logits.log_softmax(dim=-1)
-        logprob = logp.gather(1, token.unsqueeze(1)).squeeze(1)
+        token, logprob, finite, logp = token_choice(logits, state.end_id)
     if state.sampling is not None:
         # Sampled rows draw from their own distribution (greedy rows keep the argmax above); a non-finite
         # row still ends with `end_id`.

@@ -25,22 +25,24 @@ MASK32 = 0xFFFFFFFF
 CHOICE_CHUNK_ROWS = 32
 
 
+def token_choice(logits: torch.Tensor, end_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of float32 `logits` (as HF's greedy search): the argmax -- `end_id` for a row with a non-finite
+    logit -- its log-probability, whether the row's logits were all finite, and the whole log-softmax."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    token = torch.where(finite, logits.argmax(dim=-1), end_id)
+    logp = logits.log_softmax(dim=-1)
+    return token, logp.gather(1, token.unsqueeze(1)).squeeze(1), finite, logp
+
+
 def greedy_choice(
     logits: torch.Tensor, end_id: int, *, chunk_rows: int = CHOICE_CHUNK_ROWS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row (as HF's greedy search): the argmax of the float32 logits -- `end_id` for a row with a
-    non-finite logit -- its log-probability, and whether the row's logits were all finite. Row-wise
-    arithmetic, so the chunking changes no number."""
-    tokens, logprobs, finites = [], [], []
-    for part in logits.split(chunk_rows):
-        part = part.float()
-        finite = torch.isfinite(part).all(dim=-1)
-        token = torch.where(finite, part.argmax(dim=-1), end_id)
-        tokens.append(token)
-        logprobs.append(part.log_softmax(dim=-1).gather(1, token.unsqueeze(1)).squeeze(1))
-        finites.append(finite)
-    if len(tokens) == 1:
-        return tokens[0], logprobs[0], finites[0]
+    """`token_choice`'s token, log-probability and finiteness, converting `chunk_rows` rows to float32 at a
+    time. Row-wise arithmetic, so the chunking changes no number."""
+    parts = [token_choice(part.float(), end_id)[:3] for part in logits.split(chunk_rows)]
+    if len(parts) == 1:
+        return parts[0]
+    tokens, logprobs, finites = zip(*parts, strict=True)
     return torch.cat(tokens), torch.cat(logprobs), torch.cat(finites)
 
 
