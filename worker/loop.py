@@ -177,11 +177,13 @@ class BatchWorker:
         self._maybe_recover()
         now = time.time()
         facts = self.bridge.queue_facts()
+        # Once per model, not per lane: on a GPU each look at the capacity re-measures the allocator.
+        capacity = {m: self.engine.capacity(m) for m in sorted({ref.model for ref, f in facts.items() if f.depth})}
         states = {
             ref: QueueState(
                 f.depth + f.suspect_groups,
                 (now - f.oldest_enqueued_at) * 1000 if (f.depth and f.oldest_enqueued_at) else 0.0,
-                take=self.engine.capacity(ref.model) if f.depth else 0,
+                take=capacity[ref.model] if f.depth else 0,
             )
             for ref, f in facts.items()
         }
