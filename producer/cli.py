@@ -6,6 +6,7 @@ import importlib.util
 import logging
 import sys
 import time
+from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -65,6 +66,18 @@ class _LazyGroup(click.Group):
             raise click.ClickException(f"{hint} ({exc})") from exc
 
 
+def expires_in_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`--expires-in` (a batch's completion window, as `expires_in_s`), for each command that submits."""
+    return click.option(
+        "--expires-in",
+        "expires_in_s",
+        type=float,
+        default=DEFAULT_COMPLETION_WINDOW_S,
+        show_default=True,
+        help=help_text,
+    )
+
+
 @click.group(cls=_LazyGroup)
 @click.version_option(package_name="kevlaya", message="kevlaya %(version)s")
 @click.option(
@@ -107,14 +120,7 @@ def _client(ctx: click.Context) -> Client:
     show_default=True,
     help="Priority lane of items that name none: interactive work is taken before bulk.",
 )
-@click.option(
-    "--expires-in",
-    "expires_in_s",
-    type=float,
-    default=DEFAULT_COMPLETION_WINDOW_S,
-    show_default=True,
-    help="Completion window in seconds: items still queued after it end as `expired` and never run.",
-)
+@expires_in_option("Completion window in seconds: items still queued after it end as `expired` and never run.")
 @click.pass_context
 def submit(
     ctx: click.Context,
@@ -311,14 +317,7 @@ def retry_failed(ctx: click.Context, batch: str) -> None:
 @click.option("--name", default="default", show_default=True, help="Schedule name; part of every slot's batch id.")
 @click.option("--model", type=click.Choice(MODEL_NAMES), default=None, help="Model for lines that name none.")
 @click.option("--no-escalate", is_flag=True, help="Never escalate Laya answers to Kev in these batches.")
-@click.option(
-    "--expires-in",
-    "expires_in_s",
-    type=float,
-    default=DEFAULT_COMPLETION_WINDOW_S,
-    show_default=True,
-    help="Each slot's completion window in seconds.",
-)
+@expires_in_option("Each slot's completion window in seconds.")
 @click.option("--list", "list_", is_flag=True, help="Show the schedules in Redis: last and next slot, runs, missed.")
 @click.option("--json", "as_json", is_flag=True, help="With --list: one JSON object per schedule.")
 @click.pass_context
