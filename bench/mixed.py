@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import append_results, save_json, write_config
+from worker.supervisor import WORKER_CMD  # the CLI with the worker command added (the GPU machine runs from source)
 from worker.tools.embedded_redis import EmbeddedRedis
 
 WORDS = tuple(
@@ -46,14 +47,6 @@ WORDS = tuple(
 )
 CHOICES = ["approve", "reject", "review"]
 KEVLAYA = [sys.executable, "-c", "import sys; sys.argv[0] = 'kevlaya'; from producer.cli import main; main()"]
-# The worker command is an entry point of the installed distribution; the GPU machine runs from the source
-# tree (PYTHONPATH, no install), so the bench adds it to the group itself.
-KEVLAYA_WORKER = [
-    sys.executable,
-    "-c",
-    "import sys; sys.argv[0] = 'kevlaya'; from producer.cli import cli, main; from worker.cli import worker_command; "
-    "cli.add_command(worker_command); main()",
-]
 MIB = 1024**2
 
 
@@ -254,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {"shape": shape, "device": args.device, "budget": args.memory_budget, "workloads": {}}
     log_path = out_dir / "mixed-worker.log"
     with EmbeddedRedis() as server:
-        cmd = [*KEVLAYA_WORKER, "--redis-url", server.url, "worker", "--config", str(config), "--device", args.device]
+        cmd = [*WORKER_CMD, "--redis-url", server.url, "worker", "--config", str(config), "--device", args.device]
         if args.memory_budget:
             cmd += ["--memory-budget", args.memory_budget]
         with log_path.open("wb") as log_file:
