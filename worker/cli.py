@@ -57,7 +57,7 @@ def setup_logging(level: str) -> None:
 )
 @click.option(
     "--interactive-window-s",
-    default=10.0,
+    default=3.0,
     show_default=True,
     type=click.FloatRange(min=0),
     help="Interactive work counts as live this long after one was last seen waiting (bulk takes paced).",

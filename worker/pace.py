@@ -20,6 +20,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Paced limits are multiples of an eighth of a full take: the limit moves take by take, and each new row count
+# can mean a new decode graph (captured, its buffers held); coarse steps keep paced takes on one or two graphs.
+PACE_STEPS = 8
+
 
 @dataclass(frozen=True)
 class TakeTime:
@@ -57,7 +61,8 @@ class BulkPace:
             if full is None or full.seconds <= 0:
                 return capacity  # nothing measured yet: this take measures
             rows = full.rows * self.take_s / full.seconds
-        return max(floor, min(capacity, int(rows)))
+        step = max(1, capacity // PACE_STEPS)
+        return max(floor, min(capacity, int(rows) // step * step))
 
     def record(self, model: str, took: TakeTime, *, allowed: int, paced: bool) -> None:
         """A bulk take of `model` finished: it was allowed `allowed` rows, sized by `limit` while interactive work
