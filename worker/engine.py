@@ -39,8 +39,10 @@ log = logging.getLogger("kevlaya.engine")
 
 TYPICAL_INPUT_TOKENS = 256  # sizes the worker's take; real lengths size the engine's sub-batches
 # Decode graphs of at least GRAPH_DROP_ROWS rows unused this long are dropped before a take is planned: their
-# buffers would otherwise count against every later take. Long enough that steady traffic keeps its graphs.
-GRAPH_IDLE_S = 10.0
+# buffers would otherwise count against every later take. Long enough that a spell of paced takes (worker.pace)
+# keeps the full take's graph: dropped after 10 s, it was recaptured at pacing's end and that capture ran out of
+# memory beside the paced takes' graphs.
+GRAPH_IDLE_S = 30.0
 GRAPH_DROP_ROWS = 16
 
 
