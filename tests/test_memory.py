@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shared.errors import ConfigError
-from worker.memory import GIB, ModelShape, parse_bytes, plan_batch
+from worker.fastpath import length_bucket
+from worker.memory import GIB, MIB, RESERVE_BYTES, ModelShape, parse_bytes, plan_batch
 
 QWEN_1_5B = {
     "hidden_size": 1536,
@@ -47,6 +48,39 @@ def test_plan_fits_the_budget_and_shrinks_with_longer_rows() -> None:
     assert short.max_rows * short.bytes_per_row <= short.free_bytes
     none = plan_batch(shape, budget_bytes=1 * GIB, resident_bytes=resident, input_tokens=256, new_tokens=32)
     assert none.max_rows == 0
+
+
+@pytest.mark.parametrize("budget_gib", [2, 3, 6])
+def test_a_layer_major_prefill_is_planned_with_its_held_hidden_states_inside_the_budget(budget_gib: float) -> None:
+    """The static loop's layer-major prefill holds every row's hidden states between layers: per row, two
+    hidden-size vectors per prompt token (and its int64 ids and cache columns), beside the KV. The plan adds
+    them to each row and never plans past the budget with them."""
+    shape = ModelShape.from_dict(QWEN_1_5B)
+    resident = shape.weight_bytes(quantized=True, double_quant=True)
+    assert shape.prefill_held_bytes_per_token(2) == 2 * 1536 * 2 + 16
+    for inputs in (1, 16, 200, 1024, 4000):
+        for new in (1, 64, 512):
+            common = {
+                "budget_bytes": int(budget_gib * GIB),
+                "resident_bytes": resident,
+                "input_tokens": inputs,
+                "new_tokens": new,
+                "prefill_chunk_tokens": 4096,
+                "cache_tokens": length_bucket(inputs + new),
+                "flash_prefill": True,
+                "choice_chunk_rows": 32,
+            }
+            chunk_major = plan_batch(shape, **common)
+            plan = plan_batch(shape, **common, layer_major_prefill=True)
+            held = inputs * shape.prefill_held_bytes_per_token(2)
+            assert plan.bytes_per_row == chunk_major.bytes_per_row + held
+            assert plan.free_bytes == chunk_major.free_bytes <= int(budget_gib * GIB) - resident - RESERVE_BYTES
+            assert plan.max_rows <= chunk_major.max_rows
+            assert plan.max_rows * plan.bytes_per_row <= max(0, plan.free_bytes), (inputs, new)
+            # Every planned row's KV and held states, plus the one chunk set aside, within the budget.
+            kv_and_held = plan.max_rows * (common["cache_tokens"] * shape.kv_bytes_per_token(2) + held)
+            assert resident + RESERVE_BYTES + kv_and_held <= int(budget_gib * GIB)
+    assert plan_batch(shape, **{**common, "budget_bytes": resident + RESERVE_BYTES + MIB}).max_rows == 0
 
 
 def test_memory_command_prints_the_seed_table_estimated_on_cpu(tiny_models) -> None:

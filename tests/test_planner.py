@@ -39,6 +39,43 @@ def test_no_plan_passes_a_small_budget(engine: Engine, spare_mib: int) -> None:
         engine.memory.total_bytes = None
 
 
+def test_the_plan_sets_aside_what_the_layer_major_prefill_holds(engine: Engine) -> None:
+    """The static loop's prefill holds every row's hidden states between layers: the plan counts them per row
+    (on top of the KV), at least as many bytes as the prefill measured it held for a take of the planned rows."""
+    from worker.fastpath import DecodeRow
+    from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
+    from worker.loading import select_adapters
+    from worker.memory import DTYPE_BYTES, plan_batch
+
+    engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + 30 * MIB
+    try:
+        plan = engine.plan("kev", input_tokens=64, new_tokens=12)
+    finally:
+        engine.memory.total_bytes = None
+    base = engine.base_for("kev")
+    shape, dtype_bytes = base.shape, DTYPE_BYTES[base.spec.compute_dtype]
+    held_per_row = 64 * shape.prefill_held_bytes_per_token(dtype_bytes)
+    decoder = engine.decoders[engine.config.models["kev"].base]
+    unheld = plan_batch(
+        shape,
+        budget_bytes=engine.memory.resident_bytes + RESERVE_BYTES + 30 * MIB,
+        resident_bytes=engine.memory.resident_bytes,
+        input_tokens=64,
+        new_tokens=12,
+        dtype_bytes=dtype_bytes,
+        prefill_chunk_tokens=decoder.prefill_tokens,
+        cache_tokens=128,
+        flash_prefill=True,
+        choice_chunk_rows=CHOICE_CHUNK_ROWS,
+    )
+    assert plan.bytes_per_row == unheld.bytes_per_row + held_per_row
+    assert plan.max_rows > 0 and plan.max_rows * plan.bytes_per_row <= plan.free_bytes
+    rows = min(plan.max_rows, 24)  # the held bytes grow with the rows: a few show the per-row figure
+    batch = [DecodeRow(ids=[5 + i % 7] * (64 - i % 5), max_new=1, adapter=base.adapters["kev"]) for i in range(rows)]
+    decoder.decode(batch, stop_ids=[-1], pad_id=0, select=lambda names: select_adapters(base, names))
+    assert 0 < decoder.prefill.held_bytes <= rows * held_per_row
+
+
 def test_memory_already_held_is_planned_around(engine: Engine) -> None:
     """What the allocator holds beyond the KV pool (graphs' pool, cached tensors: measured on CUDA) shrinks
     the plan by as much."""

@@ -351,3 +351,21 @@ def test_left_pad_built_at_once_pads_each_row_on_the_left() -> None:
     assert ids.tolist() == [[0, 5, 6, 7], [0, 0, 0, 8], [0, 0, 0, 0], [0, 0, 1, 2]]
     assert mask.tolist() == [[0, 1, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 1, 1]]
     assert left_pad([[4, 3], [2]], 9, torch.device("cpu"))[0].tolist() == [[4, 3], [9, 2]]
+
+
+def test_held_bytes_are_the_hidden_states_of_every_chunk(decoder: StaticDecoder) -> None:
+    """What the prefill measured it held between layers: two hidden vectors per (padded) token plus ids and
+    cache columns -- within what `ModelShape.prefill_held_bytes_per_token` plans per row."""
+    from worker.memory import ModelShape
+
+    rows = decode_rows()
+    width = max(len(r.ids) for r in rows)
+    kv = fresh_kv(decoder, len(rows), width + 4)
+    with torch.inference_mode():
+        decoder.prefill.run(kv, rows, width=width, out_rows=len(rows), pad_id=0, select=_no_fallback)
+    s = decoder.stack
+    padded = sum(c.ids.numel() for c in decoder.prefill.chunks(rows, width, 0))
+    assert decoder.prefill.held_bytes == padded * (2 * s.embed.embedding_dim * s.dtype.itemsize + 16)
+    shape = ModelShape.from_dict(decoder.model.config.to_dict())
+    planned = len(rows) * width * shape.prefill_held_bytes_per_token(s.dtype.itemsize)
+    assert decoder.prefill.held_bytes <= planned

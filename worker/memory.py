@@ -90,6 +90,13 @@ class ModelShape:
         """Transient activations per prompt token during prefill (MLP gate/up/act dominate)."""
         return (3 * self.intermediate + 6 * self.hidden) * dtype_bytes
 
+    def prefill_held_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """What the static loop's layer-major prefill (worker/fastpath/prefill.py) holds per prompt token while
+        the take goes through the layers one at a time: every chunk's residual stream and its normed copy (two
+        hidden-size vectors in the compute dtype), its token ids and cache columns (two int64). Not transient:
+        it scales with the take's rows, as the KV cache does."""
+        return 2 * self.hidden * dtype_bytes + 2 * 8
+
     def attention_bytes_per_row(self, input_tokens: int) -> int:
         """Prefill attention scores when SDPA falls back to the math kernel (a padding mask does that):
         heads x T x T in the compute dtype plus a float32 softmax. Quadratic: long prompts dominate."""
@@ -136,6 +143,7 @@ def plan_batch(
     prefill_chunk_tokens: int | None = None,
     cache_tokens: int | None = None,
     flash_prefill: bool = False,
+    layer_major_prefill: bool = False,
     reserve_bytes: int = RESERVE_BYTES,
     sampler_slots: int = 0,
     choice_chunk_rows: int | None = None,
@@ -146,6 +154,8 @@ def plan_batch(
     prefill activations are one fixed chunk's, not a per-row cost, and each row keeps `cache_tokens` of KV
     (allocated exactly, so planned without the safety margin the estimates get). `flash_prefill`: the loop's
     own prefill, whose unmasked causal attention never builds a score matrix (flash / memory-efficient).
+    `layer_major_prefill`: that prefill runs every chunk through a layer before the next, so it holds every
+    row's hidden states between layers (`prefill_held_bytes_per_token`, per row on top of its KV).
     `sampler_slots`: the batch's sampled rows, bucketed, each drawing over the vocabulary in every step.
     `choice_chunk_rows`: the static loop's greedy token choice, converting that many rows' logits to float32 at
     a time (a batch with sampled rows converts them all at once)."""
@@ -167,8 +177,12 @@ def plan_batch(
             chunk += chunk_rows * shape.attention_bytes_per_row(input_tokens)
         free -= int(chunk * SAFETY_FACTOR)
         # The loop allocates its cache exactly (rows x cache_tokens), and the float32 first-token logits the
-        # prefill hands over: no margin on those, only on the estimated decode temporaries.
+        # prefill hands over: no margin on those, only on the estimated decode temporaries. A layer-major
+        # prefill's held hidden states are exact too (each chunk is padded to its own longest prompt, at most
+        # `input_tokens`); they live beside the cache and the captured decode graphs' pool, so they add up.
         exact = (cache_tokens or input_tokens + new_tokens) * kv + shape.vocab * 4
+        if layer_major_prefill:
+            exact += input_tokens * shape.prefill_held_bytes_per_token(dtype_bytes)
         chunked = choice_chunk_rows if choice_chunk_rows and not sampler_slots else None
         if chunked:
             free -= int(shape.choice_chunk_bytes(chunked) * SAFETY_FACTOR)
