@@ -138,17 +138,20 @@ def nightly(redis: Redis, engine: Engine, jobs: list[dict[str, Any]], out_dir: P
     return out
 
 
-def interactive(redis: Redis, engine: Engine, *, bulk: int, rate_per_s: float, n: int) -> dict[str, Any]:
+def interactive(
+    redis: Redis, engine: Engine, *, bulk: int, rate_per_s: float, n: int, settings: dict[str, Any]
+) -> dict[str, Any]:
     """Single Kev jobs on the interactive lane at a fixed rate while a bulk Laya batch drains, the worker at
     the defaults a user gets: latency submit -> final result, and the bulk batch's throughput against the
-    same bulk batch drained alone (the lanes' promise: interactive p95 <= 1 s, bulk throughput -10% at most)."""
+    same bulk batch drained alone (the lanes' promise: interactive p95 <= 1 s, bulk throughput -10% at most).
+    `settings`: worker settings changed from the defaults (named in the row)."""
     client = Client(redis=redis)
     bulk_jobs = [{**j, "escalate": False} for j in workload(bulk, 0.0, tokenizer=tokenizer(engine), seed=2)]
     bulk_done = threading.Event()
 
     def drain_bulk(batch_id: str, during: Any = None) -> float:
         handle = client.submit_batch(bulk_jobs, batch_id=batch_id)  # the bulk lane: submit_batch's default
-        worker, thread = run_worker(redis, engine, name=f"interactive-{batch_id}")  # the worker's defaults
+        worker, thread = run_worker(redis, engine, name=f"interactive-{batch_id}", **settings)
         start = time.perf_counter()
         extra = during() if during else None
         client.wait(handle.id, poll_s=0.02)
@@ -201,11 +204,13 @@ def interactive(redis: Redis, engine: Engine, *, bulk: int, rate_per_s: float, n
         "p50_s": latencies[len(latencies) // 2],
         "p95_s": latencies[min(len(latencies) - 1, int(len(latencies) * 0.95))],
         "max_s": latencies[-1],
+        "latencies_s": [round(x, 3) for x in latencies],
         "bulk_alone_s": alone_s,
         "bulk_with_interactive_s": with_stream_s,
         "bulk_throughput_drop": 1 - alone_s / with_stream_s,
-        "settings": f"worker defaults (max_wait_ms {DEFAULTS.max_wait_ms}, "
-        f"bulk_every_takes {DEFAULTS.bulk_every_takes})",
+        "settings": f"worker defaults (max_wait_ms {DEFAULTS.max_wait_ms}, bulk_every_takes "
+        f"{DEFAULTS.bulk_every_takes}, paced_take_ms {DEFAULTS.paced_take_ms}, interactive_window_s "
+        f"{DEFAULTS.interactive_window_s})" + (f" but {settings}" if settings else ""),
     }
 
 
@@ -312,6 +317,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--interactive-n", type=int, default=20)
     parser.add_argument("--interactive-rate", type=float, default=2.0)
     parser.add_argument("--interactive-bulk", type=int, default=None, help="bulk Laya rows behind them (items/2)")
+    parser.add_argument(
+        "--paced-take-ms", type=int, default=None, help="the worker's --paced-take-ms (default: its default)"
+    )
     parser.add_argument("--queue-jobs", type=int, default=5000)
     parser.add_argument("--sweep", default="1,8,32,128,256")
     parser.add_argument("--skip", default="", help="comma list of parts to skip: nightly,interactive,seed,queue,sweep")
@@ -325,6 +333,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d %(name)s %(message)s")
         logging.getLogger("kevlaya.fastpath").setLevel(logging.DEBUG)
         logging.getLogger("kevlaya.engine").setLevel(logging.INFO)
+        logging.getLogger("kevlaya.worker").setLevel(logging.INFO)
     skip = set(filter(None, args.skip.split(",")))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -355,8 +364,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             save_json(out_dir, "nightly.json", report)  # early: later parts may run out of time
         if "interactive" not in skip:
             bulk = args.interactive_bulk or max(200, args.items // 2)
+            changed = {} if args.paced_take_ms is None else {"paced_take_ms": args.paced_take_ms}
             report["interactive"] = interactive(
-                redis, engine, bulk=bulk, rate_per_s=args.interactive_rate, n=args.interactive_n
+                redis, engine, bulk=bulk, rate_per_s=args.interactive_rate, n=args.interactive_n, settings=changed
             )
             print("interactive:", report["interactive"], flush=True)
         if "sweep" not in skip:
@@ -408,7 +418,7 @@ def _row(r: dict[str, Any], argv: list[str]) -> str:
         parts.append(
             f"interactive lane p50 {i['p50_s']:.2f} s / p95 {i['p95_s']:.2f} s at {i['rate_per_s']}/s under "
             f"{i['bulk_items']} bulk items ({i['answered_while_bulk_ran']}/{i['n']} answered while bulk ran), "
-            f"bulk throughput {-100 * i['bulk_throughput_drop']:+.1f}%"
+            f"bulk throughput {-100 * i['bulk_throughput_drop']:+.1f}% ({i['settings']})"
         )
     if "queue_layer" in r:
         q = r["queue_layer"]

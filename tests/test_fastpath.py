@@ -535,3 +535,25 @@ def test_a_joined_group_skips_an_adapter_none_of_its_members_has() -> None:
         for g, layer in zip(got, layers, strict=True):
             torch.testing.assert_close(g, layer.base_layer(x), rtol=0, atol=0)
         assert group.merged("laya") is not None  # nothing to merge: the plain weights
+
+
+def test_graph_cache_drops_large_idle_graphs_and_keeps_small_and_recent_ones(monkeypatch) -> None:
+    from worker.fastpath import graphs
+
+    clock = [1000.0]
+    monkeypatch.setattr(graphs.time, "monotonic", lambda: clock[0])
+    cache = graphs.GraphCache(torch.device("cpu"), use_graphs=False)
+    ends = graphs.Ends(end_id=0, pad_id=0, stops=(0,))
+
+    def key(rows: int) -> graphs.GraphKey:
+        return graphs.GraphKey(rows=rows, length=64, adapters=("laya",), mixed=False, ends=ends)
+
+    for rows in (1, 144, 256):
+        cache.put(key(rows), graphs.Entry(state=None, graph=None))  # type: ignore[arg-type]
+    clock[0] += 15
+    assert cache.get(key(256)) is not None  # in use
+    clock[0] += 10
+    assert cache.drop_idle(20.0, min_rows=16) == 1  # the 144-row graph: idle 25 s; the 1-row one is small
+    assert set(cache.entries) == {key(1), key(256)}
+    clock[0] += 30
+    assert cache.drop_idle(20.0, min_rows=16) == 1 and set(cache.entries) == {key(1)}

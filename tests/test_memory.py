@@ -97,3 +97,34 @@ def test_memory_command_prints_the_seed_table_estimated_on_cpu(tiny_models) -> N
     for row in ("after 4-bit load", "after adapters", "~512 tokens", "~1024 tokens", "batch plan under a 6.00 GiB"):
         assert row in out
     assert "kev" in out and "laya" in out and "KiB/token" in out
+
+
+@pytest.mark.parametrize("pool_rows_of", [0, 64, 192, 256, 320])
+@pytest.mark.parametrize("input_tokens", [120, 283, 900])
+def test_a_plan_beside_an_existing_kv_pool_never_passes_the_budget(pool_rows_of: int, input_tokens: int) -> None:
+    """Whatever the pool's size: a take of any size up to the plan costs the pool (when its cache fits in it and
+    the pool is reused) or its own cache (when the pool is replaced), plus the rest of each row."""
+    shape = ModelShape.from_dict(QWEN_1_5B)
+    resident = shape.weight_bytes(quantized=True, double_quant=True)
+    cache = 64 * -(-(input_tokens + 32) // 64)
+    kv_row = cache * shape.kv_bytes_per_token(2)
+    pool = pool_rows_of * 320 * shape.kv_bytes_per_token(2)
+    common = dict(budget_bytes=6 * GIB, resident_bytes=resident, input_tokens=input_tokens, new_tokens=32)
+    common |= dict(prefill_chunk_tokens=4096, cache_tokens=cache, flash_prefill=True)
+    fresh = plan_batch(shape, **common)
+    plan = plan_batch(shape, **common, kv_pool_bytes=pool)
+    assert 0 < plan.max_rows <= fresh.max_rows
+    for rows in range(1, plan.max_rows + 1):
+        kv = pool if rows * kv_row <= pool else rows * kv_row
+        assert kv + rows * (plan.bytes_per_row - kv_row) <= plan.free_bytes, rows
+    if pool_rows_of == 0 or pool < kv_row:
+        assert plan.max_rows == fresh.max_rows  # nothing to reuse: the plan is unchanged
+
+
+def test_a_pool_larger_than_the_take_needs_is_counted_whole() -> None:
+    shape = ModelShape.from_dict(QWEN_1_5B)
+    common = dict(budget_bytes=4 * GIB, resident_bytes=GIB, input_tokens=283, new_tokens=32)
+    common |= dict(prefill_chunk_tokens=4096, cache_tokens=320, flash_prefill=True)
+    fresh = plan_batch(shape, **common)
+    big_pool = int(fresh.max_rows * 1.3) * 320 * shape.kv_bytes_per_token(2)
+    assert plan_batch(shape, **common, kv_pool_bytes=big_pool).max_rows < fresh.max_rows

@@ -46,6 +46,22 @@ def setup_logging(level: str) -> None:
     help="Interactive work is taken before bulk; after this many interactive takes in a row while bulk "
     "waits, the next take is bulk's (no starvation).",
 )
+@click.option(
+    "--paced-take-ms",
+    default=600,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="While interactive work is live, bulk takes are sized (from measured takes) to finish in about this "
+    "long, since an interactive job waits for the bulk take in flight. Lower: faster interactive answers, "
+    "slower bulk while they come. 0: bulk takes are always full.",
+)
+@click.option(
+    "--interactive-window-s",
+    default=3.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Interactive work counts as live this long after one was last seen waiting (bulk takes paced).",
+)
 @click.option("--max-batch-rows", default=256, show_default=True, help="Upper bound on rows per batch.")
 @click.option("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available).")
 @click.option("--no-mixed-tails", is_flag=True, help="Never mix Kev and Laya rows in one batch.")
@@ -97,6 +113,8 @@ def worker_command(
     memory_budget: str | None,
     max_wait_ms: int,
     bulk_every_takes: int,
+    paced_take_ms: int,
+    interactive_window_s: float,
     max_batch_rows: int,
     device: str | None,
     no_mixed_tails: bool,
@@ -138,6 +156,8 @@ def worker_command(
         burst=burst,
         max_wait_ms=max_wait_ms,
         bulk_every_takes=bulk_every_takes,
+        paced_take_ms=paced_take_ms,
+        interactive_window_s=interactive_window_s,
         mixed_tails=not no_mixed_tails,
         batch_time_limit_s=batch_time_limit_s,
         name=name,

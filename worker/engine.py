@@ -38,6 +38,12 @@ from worker.static import DECODE_MODES, StaticLoops, generate_static, warm_up
 log = logging.getLogger("kevlaya.engine")
 
 TYPICAL_INPUT_TOKENS = 256  # sizes the worker's take; real lengths size the engine's sub-batches
+# Decode graphs of at least GRAPH_DROP_ROWS rows unused this long are dropped before a take is planned: their
+# buffers would otherwise count against every later take. Long enough that a spell of paced takes (worker.pace)
+# keeps the full take's graph: dropped after 10 s, it was recaptured at pacing's end and that capture ran out of
+# memory beside the paced takes' graphs.
+GRAPH_IDLE_S = 30.0
+GRAPH_DROP_ROWS = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +137,7 @@ class Engine:
         it from being split (each sub-batch decodes as many steps as its longest answer)."""
         seen = max(TYPICAL_INPUT_TOKENS, self._longest_prompt.get(model, 0))
         typical = min(self.config.models[model].max_input_tokens, seen)
+        self.loops.drop_idle(GRAPH_IDLE_S, min_rows=GRAPH_DROP_ROWS)
         self.refresh_memory()
         plan = self.plan(model, input_tokens=typical)
         if self._logged_takes.get(model) != (plan.max_rows, typical):

@@ -2,8 +2,8 @@
 
 Each model has two queues, its `interactive` and `bulk` lanes. A take serves one lane:
 - interactive work waiting anywhere is taken first, on its own: an interactive take holds no bulk rows, so
-  it is as short as its own jobs (it never waits behind a bulk row's 512 tokens), and bulk takes stay full
-  batches -- interactive work is served *between* bulk takes, never by cutting them into small pieces;
+  it is as short as its own jobs (it never waits behind a bulk row's 512 tokens); interactive work is served
+  *between* bulk takes, never by cutting one in flight (while it is live, bulk takes are shorter: worker.pace);
 - the model is chosen within the lane by worker.policy (stay while it has work, no model starves);
 - bulk is not starved: once `bulk_every_takes` takes in a row went to interactive work while bulk waited,
   the next take is bulk's. So under any interactive load bulk gets at least one take in every

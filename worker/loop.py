@@ -21,7 +21,7 @@ from redis import Redis
 from shared.enqueue import EnqueueSettings
 from shared.errors import INTERNAL
 from shared.job import Job
-from shared.keys import BULK, Keys, QueueRef
+from shared.keys import BULK, INTERACTIVE, Keys, QueueRef
 from worker.config import ModelsConfig
 from worker.faults import maybe_crash
 from worker.followups import prompt_chars
@@ -29,6 +29,7 @@ from worker.lanes import BulkTurn, choose_queue
 from worker.metrics import HealthServer
 from worker.notices import Notifier
 from worker.outputs import RowOutput
+from worker.pace import BulkPace, TakeTime
 from worker.policy import QueueState
 from worker.presence import Presence
 from worker.recovery import RecoveryPass
@@ -87,6 +88,8 @@ class BatchWorker:
         self._lock = threading.Lock()
         self._last_recovery = 0.0
         self.bulk_turn = BulkTurn(every=settings.bulk_every_takes)
+        self.pace = BulkPace(take_s=settings.paced_take_ms / 1000, window_s=settings.interactive_window_s)
+        self._paced = False  # for the log line when pacing starts and stops
         self.presence = Presence(
             redis, self.keys, self.bridge, settings, stop=self._stop, in_flight=self._in_flight_now
         )
@@ -96,6 +99,7 @@ class BatchWorker:
             settings,
             capacity=lambda model: self.engine.capacity(model),
             idle_peers=self.presence.taking,
+            bulk_limit=lambda model, capacity: self.pace.limit(model, capacity, time.time()),
         )
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -199,10 +203,28 @@ class BatchWorker:
         if self.current_model is not None and ref.model != self.current_model:
             self.stats.switches += 1
         self.current_model = ref.model
+        paced = self._pacing(ref, states, now)
         taken = self._take(ref, states, suspects=facts[ref].suspect_groups, queued=facts[ref].depth)
         if taken.rows:
+            started = time.time()
             self._run_take(taken)
+            if ref.lane == BULK and not taken.dead:
+                took = TakeTime(rows=len(taken.rows), seconds=time.time() - started)
+                self.pace.record(ref.model, took, allowed=taken.allowed, paced=paced)
         return True
+
+    def _pacing(self, ref: QueueRef, states: dict[QueueRef, QueueState], now: float) -> bool:
+        """Whether this take is a paced bulk take (worker.pace): interactive work waits now or did lately."""
+        if any(s.depth for r, s in states.items() if r.lane == INTERACTIVE):
+            self.pace.saw_interactive(now)
+        live = self.pace.live(now)
+        if live != self._paced:
+            self._paced = live
+            if live:
+                log.info("interactive work live: bulk takes paced to ~%d ms", self.settings.paced_take_ms)
+            else:
+                log.info("no interactive work for %.0f s: bulk takes full again", self.settings.interactive_window_s)
+        return live and ref.lane == BULK
 
     def _is_suspended(self) -> bool:
         suspended = self.bridge.suspended()

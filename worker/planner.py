@@ -198,6 +198,7 @@ class MemoryBudget:
             layer_major_prefill=decoder is not None and decoder.own_prefill,
             sampler_slots=sampler_slots(sampled_rows) if decoder else 0,
             choice_chunk_rows=CHOICE_CHUNK_ROWS if decoder else None,
+            kv_pool_bytes=decoder.pool.nbytes if decoder else 0,
         )
         if decoder is None or plan.max_rows in ROW_BUCKETS:
             return plan

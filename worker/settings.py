@@ -17,6 +17,8 @@ class WorkerSettings:
     burst: bool = False
     max_wait_ms: int = 10000
     bulk_every_takes: int = 4  # bulk gets the next take after this many interactive takes in a row (worker.lanes)
+    paced_take_ms: int = 600  # bulk takes' target length while interactive work is live (worker.pace; 0: off)
+    interactive_window_s: float = 3.0  # interactive work is live this long after one was last seen
     heartbeat_interval_s: float = 3.0
     job_heartbeat_ttl_s: float = 20.0
     worker_ttl_s: int = 20

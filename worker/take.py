@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.keys import QueueRef
+from shared.keys import BULK, QueueRef
 from worker.config import ModelsConfig
 from worker.policy import QueueState
 from worker.rqcompat import RQBridge
@@ -21,11 +21,13 @@ class Take:
 
     rows: list[Row]
     dead: bool = False
+    allowed: int = 0  # the rows this take could have held (its capacity, paced or shared)
 
 
 class Taker:
     """Takes jobs for the loop; `capacity(model)` is the engine's rows per batch, `idle_peers()` how many other
-    workers on this Redis are between takes now (the tail of a queue is shared with them: worker.tail)."""
+        workers on this Redis are between takes now (the tail of a queue is shared with them: worker.tail), and
+    `bulk_limit(model, capacity)` the rows a bulk take may hold now (worker.pace)."""
 
     def __init__(
         self,
@@ -35,12 +37,14 @@ class Taker:
         *,
         capacity: Callable[[str], int],
         idle_peers: Callable[[], int] = lambda: 0,
+        bulk_limit: Callable[[str, int], int] = lambda model, capacity: capacity,
     ) -> None:
         self.bridge = bridge
         self.config = config
         self.settings = settings
         self.capacity = capacity
         self.idle_peers = idle_peers
+        self.bulk_limit = bulk_limit
         self.suspect_turn = True  # suspect groups and normal takes alternate: neither waits behind the other
 
     def take(self, ref: QueueRef, states: dict[QueueRef, QueueState], *, suspects: int, queued: int) -> Take:
@@ -52,13 +56,16 @@ class Taker:
         self.suspect_turn = group is None
         if group is not None:
             return Take([Row(ref.model, r, lane=ref.lane) for r in group.jobs], dead=group.dead)
-        limit = tail_take(self.capacity(ref.model), queued, idle_peers=self.idle_peers())
+        capacity = self.capacity(ref.model)
+        if ref.lane == BULK:
+            capacity = self.bulk_limit(ref.model, capacity)
+        limit = tail_take(capacity, queued, idle_peers=self.idle_peers())
         rows = [Row(ref.model, r, lane=ref.lane) for r in self.bridge.load(self.bridge.take(ref, limit, ttl_s=ttl))]
         for other in self._tail_queues(ref, len(rows), limit, states):
             room = limit - len(rows)
             taken = self.bridge.load(self.bridge.take(other, room, ttl_s=ttl))
             rows += [Row(other.model, r, lane=other.lane) for r in taken]
-        return Take(rows)
+        return Take(rows, allowed=limit)
 
     def _tail_queues(self, ref: QueueRef, n: int, limit: int, states: dict[QueueRef, QueueState]) -> list[QueueRef]:
         """The same lane of models on the same base whose whole queue fits the rest of this take, once this

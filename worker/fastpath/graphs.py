@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -155,6 +156,7 @@ class GraphCache:
         self.device = device
         self.use_graphs = use_graphs
         self.entries: OrderedDict[GraphKey, Entry] = OrderedDict()
+        self.used_at: dict[GraphKey, float] = {}  # monotonic seconds of each entry's last use
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         # A captured graph of up to this many times a batch's rows serves it (no graphs, nothing to save).
         self.reuse_slack = 1.5 if use_graphs else 1.0
@@ -187,15 +189,32 @@ class GraphCache:
         entry = self.entries.get(key)
         if entry is not None:
             self.entries.move_to_end(key)
+            self.used_at[key] = time.monotonic()
         return entry
 
     def put(self, key: GraphKey, entry: Entry) -> None:
         self.entries[key] = entry
+        self.used_at[key] = time.monotonic()
         while len(self.entries) > MAX_GRAPHS:
-            self.entries.popitem(last=False)
+            self.used_at.pop(self.entries.popitem(last=False)[0], None)
+
+    def drop_idle(self, idle_s: float, *, min_rows: int) -> int:
+        """Drop the graphs of `min_rows` rows or more unused for `idle_s`; how many were dropped. Each pins its
+        static buffers (a 256-row graph's logits alone are ~155 MiB at Qwen's vocabulary), which the memory plan
+        counts as held: graphs for take sizes no longer seen (the warm-up's, paced takes' after interactive
+        work stopped) would otherwise shrink every later take. Small graphs cost little and stay."""
+        now = time.monotonic()
+        idle = [k for k in self.entries if k.rows >= min_rows and now - self.used_at.get(k, now) >= idle_s]
+        for key in idle:
+            del self.entries[key]
+            self.used_at.pop(key, None)
+        if idle and not self.entries:
+            self.clear()
+        return len(idle)
 
     def clear(self) -> None:
         self.entries.clear()
+        self.used_at.clear()
         if self.use_graphs:
             # A graph memory pool whose graphs are all gone cannot take a new capture (the allocator asserts
             # on it), so later captures share a fresh one.
