@@ -2,9 +2,10 @@
 the reference: the same K/V cache and first-token logits bit for bit, and so the same tokens, over several
 chunks of rows of different lengths with Kev, Laya, base and mixed chunks -- in float32 (PEFT's LoRA
 arithmetic), 4-bit on the CPU (bitsandbytes runs its layers), bfloat16 (LoRA merged into a copy of the
-weights) and 4-bit in bfloat16 dequantised by the loop itself (LoRA merged in place). Also: each layer is
-dequantised once per take, K/V are never expanded to the query heads, and the chunk tensors built at once
-hold what row-by-row building gave."""
+weights) and 4-bit in bfloat16 dequantised by the loop itself (LoRA merged in place) -- with the take in one
+group of chunks and in several (`group_tokens`, boundaries inside one adapter's chunks). Also: each layer is
+dequantised once per group, K/V are never expanded to the query heads, the chunk tensors built at once hold
+what row-by-row building gave, and a group holds at most `group_tokens` tokens' hidden states."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from worker.fastpath import DecodeRow, StaticDecoder
 from worker.fastpath import weights as weights_module
 from worker.fastpath.graphs import KV
 from worker.fastpath.ops import causal_attention, repeat_kv
-from worker.fastpath.prefill import Chunk, Passes, Prefill, PromptRow, row_masks, to_device
+from worker.fastpath.prefill import GROUP_TOKENS, Chunk, Passes, Prefill, PromptRow, row_masks, to_device
 from worker.fastpath.weights import Dense, Layer, Masks, is_mixed, only_adapter
 from worker.loading import select_adapters
 
@@ -33,6 +34,9 @@ CHUNK_TOKENS = 24  # small chunks: the rows below make seven of them
 # Kev + Laya (mixed), base + Kev (mixed), Laya alone, Laya alone, Kev alone.
 SHAPES = [(12, "kev"), (3, "kev"), (8, "laya"), (13, "laya"), (5, "kev"), (11, None), (20, "laya")]
 SHAPES += [(4, "kev"), (7, "laya"), (9, "kev"), (10, "laya"), (23, "kev")]
+# Their seven chunks hold 15, 16, 20, 24, 13, 20 and 23 padded tokens: groups of at most 40 tokens are
+# [Kev, Laya], [Kev + Laya], [base + Kev, Laya], [Laya], [Kev] -- Laya's own chunks across three groups.
+SPLIT_LAYA = 40
 
 
 @dataclass(frozen=True)
@@ -223,10 +227,12 @@ def test_same_cache_and_logits_for_one_adapter_the_base_or_mixed_takes(
     assert torch.equal(new, old)
 
 
-def test_same_tokens_as_chunk_major(loop: Loop, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("group_tokens", [GROUP_TOKENS, SPLIT_LAYA])
+def test_same_tokens_as_chunk_major(loop: Loop, monkeypatch: pytest.MonkeyPatch, group_tokens: int) -> None:
     """Decoding after either prefill: the same tokens and log-probabilities (the steps read only the cache and
-    the first logits)."""
+    the first logits), the take in one group or in five."""
     decoder, base = loop.decoder, loop.base
+    monkeypatch.setattr(decoder.prefill, "group_tokens", group_tokens)
     kw = {"stop_ids": [-1], "pad_id": 0, "select": lambda names: select_adapters(base, names)}
     rows = decode_rows(max_new=6)
     new = decoder.decode(rows, **kw)
@@ -236,11 +242,14 @@ def test_same_tokens_as_chunk_major(loop: Loop, monkeypatch: pytest.MonkeyPatch)
     assert torch.equal(new.logprobs, old.logprobs)
 
 
-def test_each_layer_is_dequantised_once_per_take_and_merged_without_a_copy_when_it_can(
-    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("group_tokens", [GROUP_TOKENS, SPLIT_LAYA])
+def test_each_layer_is_dequantised_once_per_group_and_merged_without_a_copy_when_it_can(
+    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch, group_tokens: int
 ) -> None:
-    """However many chunks: one `dense()` per layer. Merges: a copy for every adapter but the last a layer
-    serves, which merges in place (into the dequantised buffers where the loop made them)."""
+    """However many chunks a group holds: one `dense()` per layer and group (the whole take in one group by
+    default). Merges: in each group, a copy for every adapter but the last a layer serves, which merges in place
+    (into the dequantised buffers where the loop made them)."""
+    monkeypatch.setattr(decoder.prefill, "group_tokens", group_tokens)
     dense_calls: list[int] = []
     merges: list[tuple[str | None, bool]] = []
     for i, layer in enumerate(decoder.stack.layers):
@@ -258,12 +267,23 @@ def test_each_layer_is_dequantised_once_per_take_and_merged_without_a_copy_when_
         assert len(decoder.prefill.chunks(rows, 24, 0)) > 1
         with torch.inference_mode():
             decoder.prefill.run(kv, rows, width=24, out_rows=len(rows), pad_id=0, select=_no_fallback)
-        assert dense_calls == [i for i in range(layers)]
+        groups = decoder.prefill.layer_groups(rows)
+        assert (len(groups) == 1) == (group_tokens == GROUP_TOKENS)
+        assert dense_calls == [i for _ in groups for i in range(layers)]
         mergeable = bool(decoder.stack.layers[0].qkv.lora)  # fused compute-dtype LoRA: bfloat16 models
         if mergeable:
-            assert merges == [(a, a == adapters[-1]) for _ in range(layers) for a in adapters]
+            merged = [merged_adapters(rows, group) for group in groups]
+            assert sorted({a for m in merged for a in m}) == adapters
+            want = [(a, a == m[-1]) for m in merged for _ in range(layers) for a in m]
+            assert merges == want
         else:
             assert merges == []
+
+
+def merged_adapters(rows: Sequence[PromptRow], group: list[list[int]]) -> list[str]:
+    """The adapters a group's single-adapter chunks merge, in the order a layer merges them."""
+    alone = [{rows[i].adapter for i in chunk} for chunk in group]
+    return sorted({a for names in alone if len(names) == 1 for a in names if a is not None})
 
 
 def _counting(fn: Any, record: Any) -> Any:
@@ -353,19 +373,77 @@ def test_left_pad_built_at_once_pads_each_row_on_the_left() -> None:
     assert left_pad([[4, 3], [2]], 9, torch.device("cpu"))[0].tolist() == [[4, 3], [9, 2]]
 
 
-def test_held_bytes_are_the_hidden_states_of_every_chunk(decoder: StaticDecoder) -> None:
+@pytest.mark.parametrize("group_tokens", [GROUP_TOKENS, SPLIT_LAYA, 1])
+def test_held_bytes_are_the_hidden_states_of_the_largest_group(
+    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch, group_tokens: int
+) -> None:
     """What the prefill measured it held between layers: two hidden vectors per (padded) token plus ids and
-    cache columns -- within what `ModelShape.prefill_held_bytes_per_token` plans per row."""
+    cache columns, of the group holding most -- within what `ModelShape.prefill_held_bytes_per_token` plans
+    for a group of `group_tokens` (or one chunk, where a chunk is larger)."""
     from worker.memory import ModelShape
 
+    monkeypatch.setattr(decoder.prefill, "group_tokens", group_tokens)
     rows = decode_rows()
     width = max(len(r.ids) for r in rows)
     kv = fresh_kv(decoder, len(rows), width + 4)
     with torch.inference_mode():
         decoder.prefill.run(kv, rows, width=width, out_rows=len(rows), pad_id=0, select=_no_fallback)
     s = decoder.stack
-    padded = sum(c.ids.numel() for c in decoder.prefill.chunks(rows, width, 0))
+    padded = max(sum(len(c) * len(rows[c[-1]].ids) for c in g) for g in decoder.prefill.layer_groups(rows))
+    if group_tokens == GROUP_TOKENS:  # one group: every chunk
+        assert padded == sum(c.ids.numel() for c in decoder.prefill.chunks(rows, width, 0))
     assert decoder.prefill.held_bytes == padded * (2 * s.embed.embedding_dim * s.dtype.itemsize + 16)
     shape = ModelShape.from_dict(decoder.model.config.to_dict())
-    planned = len(rows) * width * shape.prefill_held_bytes_per_token(s.dtype.itemsize)
+    planned = max(group_tokens, decoder.prefill.tokens, width) * shape.prefill_held_bytes_per_token(s.dtype.itemsize)
     assert decoder.prefill.held_bytes <= planned
+
+
+@pytest.mark.parametrize(
+    ("group_tokens", "sizes"),
+    [
+        (1, [[15], [16], [20], [24], [13], [20], [23]]),  # every chunk alone (each larger than a group)
+        (SPLIT_LAYA, [[15, 16], [20], [24, 13], [20], [23]]),
+        (131, [[15, 16, 20, 24, 13, 20, 23]]),  # exactly everything
+        (GROUP_TOKENS, [[15, 16, 20, 24, 13, 20, 23]]),
+    ],
+)
+def test_groups_are_consecutive_chunks_of_at_most_group_tokens(
+    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch, group_tokens: int, sizes: list[list[int]]
+) -> None:
+    monkeypatch.setattr(decoder.prefill, "group_tokens", group_tokens)
+    rows = decode_rows()
+    groups = decoder.prefill.layer_groups(rows)
+    assert [c for g in groups for c in g] == decoder.prefill.chunk_rows(rows)
+    assert [[len(c) * len(rows[c[-1]].ids) for c in g] for g in groups] == sizes
+
+
+@pytest.mark.parametrize(
+    ("shapes", "group_tokens", "groups"),
+    [
+        (SHAPES, SPLIT_LAYA, 5),  # Laya's own chunks in three groups, mixed chunks beside single-adapter ones
+        (SHAPES, 64, 3),
+        (SHAPES, 1, 7),  # one chunk a group: chunk-major, but for the arithmetic's order
+        (SHAPES, 131, 1),  # one group holding everything, exactly
+        ([(9, "kev")] * 6, 36, 2),  # one adapter: two chunks, then one, each group merging in place
+        ([(4, "kev"), (4, "laya")] * 5, 30, 2),  # mixed chunks only
+    ],
+)
+@pytest.mark.parametrize("merge_lora", [True, False])
+def test_grouped_prefill_same_cache_and_logits_as_chunk_major(
+    decoder: StaticDecoder,
+    monkeypatch: pytest.MonkeyPatch,
+    shapes: list[tuple[int, str | None]],
+    group_tokens: int,
+    groups: int,
+    merge_lora: bool,
+) -> None:
+    """The take in groups of chunks, each group through every layer before the next: the same K/V cache and
+    first-token logits bit for bit as chunk by chunk."""
+    monkeypatch.setattr(decoder.prefill, "group_tokens", group_tokens)
+    monkeypatch.setattr(decoder.prefill, "merge_lora", merge_lora)
+    rows = decode_rows(shapes)
+    assert len(decoder.prefill.layer_groups(rows)) == groups
+    kv_new, new, kv_old, old = prefill_both(decoder, rows)
+    assert_same_cache(kv_new, kv_old)
+    assert torch.equal(new, old)
+    assert decoder.own_prefill

@@ -54,7 +54,7 @@ from worker.fastpath.graphs import (
 )
 from worker.fastpath.logprobs import RowLogprobs
 from worker.fastpath.ops import prefill_attention
-from worker.fastpath.prefill import AdapterSelect, Prefill, adapter_mask
+from worker.fastpath.prefill import GROUP_TOKENS, AdapterSelect, Prefill, adapter_mask
 from worker.fastpath.sampling import Sampling, draw_rows, greedy_choice, token_choice
 from worker.fastpath.scoring import Scored, ScoreRow, score_choices
 from worker.fastpath.weights import Masks, Stack
@@ -153,6 +153,7 @@ class StaticDecoder:
         use_graphs: bool,
         check_every: int = 8,
         prefill_tokens: int = 4096,
+        prefill_group_tokens: int = GROUP_TOKENS,
         fuse_lora: bool = True,
         join_projections: bool = True,
         merge_lora: bool = True,
@@ -166,7 +167,9 @@ class StaticDecoder:
             causal_lm(model), fuse_lora=fuse_lora, join_projections=join_projections, compile_ops=compile_ops
         )
         self.dtype = self.stack.dtype
-        self.prefill = Prefill(model, self.stack, tokens=prefill_tokens, merge_lora=merge_lora)
+        self.prefill = Prefill(
+            model, self.stack, tokens=prefill_tokens, group_tokens=prefill_group_tokens, merge_lora=merge_lora
+        )
         s = self.stack
         self.pool = KVPool(len(s.layers), s.kv_heads, s.head_dim, s.dtype, device)
         self.graphs = GraphCache(device, self.use_graphs)
@@ -176,6 +179,10 @@ class StaticDecoder:
     @property
     def prefill_tokens(self) -> int:
         return self.prefill.tokens
+
+    @property
+    def prefill_group_tokens(self) -> int:
+        return self.prefill.group_tokens
 
     @property
     def own_prefill(self) -> bool:

@@ -5,13 +5,16 @@ layer step makes), each right-padded only to its own longest prompt, so causal a
 runs its flash kernel, reading the grouped KV heads as they are; K/V go straight into the cache, every row's
 prompt ending in the same column (`width`).
 
-The take runs layer-major: each layer's 4-bit weights are dequantised once, and every chunk goes through that
-layer before the next one (chunk by chunk through all layers, the same weights were dequantised -- and the
-LoRA merged -- once per chunk: ~19% of prefill GPU time on the H200). Chunks of one adapter run with its LoRA
-merged into the dequantised weights (in place for the last adapter a layer serves); mixed chunks add each
-adapter's delta masked per row. The price is memory: every chunk's hidden states (the residual stream and its
-norm) are held between layers -- `ModelShape.prefill_held_bytes_per_token` plans them per row. Should the
-loop's own prefill ever fail on a device, the model's own forward takes over from then on (with a log line).
+The take runs layer-major over groups of consecutive chunks holding at most `group_tokens` (padded) prompt
+tokens together: each layer's 4-bit weights are dequantised once per group, and every chunk of the group goes
+through that layer before the next one (chunk by chunk through all layers, the same weights were dequantised --
+and the LoRA merged -- once per chunk: ~19% of prefill GPU time on the H200). Chunks of one adapter run with its
+LoRA merged into the dequantised weights (in place for the last adapter a layer serves); mixed chunks add each
+adapter's delta masked per row. The price is memory: the group's hidden states (the residual stream and its
+norm) are held between layers. Bounding them by a group, not the whole take, makes them a fixed cost the
+planner sets aside once (`ModelShape.prefill_held_bytes_per_token` x the group), not one per row: planned per
+row, they cost nightly-like takes ~12% of their rows, more than the dequantisation saved. Should the loop's
+own prefill ever fail on a device, the model's own forward takes over from then on (with a log line).
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ from worker.fastpath.ops import causal_attention, prefill_attention
 from worker.fastpath.weights import Dense, Layer, Masks, Stack, is_mixed, only_adapter
 
 log = logging.getLogger("kevlaya.fastpath")
+
+# The most (padded) prompt tokens whose hidden states the layer-major prefill holds between layers: 8 chunks of
+# the default 4,096 tokens, so each layer is dequantised once per 8 chunks, not per chunk; for a Qwen2.5-1.5B
+# shape in bfloat16 (6,160 bytes a token) ~192 MiB, a fixed cost the planner sets aside (worker/memory.py).
+GROUP_TOKENS = 32768
 
 AdapterSelect = Callable[[Sequence[str | None]], contextlib.AbstractContextManager[dict[str, Any]]]
 
@@ -144,7 +152,7 @@ class Rotary:
 
 @dataclass(frozen=True)
 class Passes:
-    """The chunks of a take by the weights a layer runs them on: `plain` (the dequantised weights, each
+    """The chunks of a group by the weights a layer runs them on: `plain` (the dequantised weights, each
     chunk's LoRA -- if any -- masked per row: mixed chunks, base-model chunks, every chunk when merging is off)
     and `merged` (per adapter, its single-adapter chunks, which run with that LoRA merged into the weights)."""
 
@@ -182,15 +190,25 @@ class Passes:
 class Prefill:
     """Prompts into a static cache; `run` returns each row's first-token logits (float32)."""
 
-    def __init__(self, model: Any, stack: Stack, *, tokens: int = 4096, merge_lora: bool = True) -> None:
+    def __init__(
+        self,
+        model: Any,
+        stack: Stack,
+        *,
+        tokens: int = 4096,
+        group_tokens: int = GROUP_TOKENS,
+        merge_lora: bool = True,
+    ) -> None:
         self.model = model  # what the fallback calls (the PEFT wrapper, so adapters apply)
         self.stack = stack
         self.tokens = tokens  # about this many prompt tokens per chunk
+        # At most this many padded prompt tokens (a single larger chunk: its own) go through the layers together.
+        self.group_tokens = group_tokens
         # Prefill a single-adapter chunk with its (fused) LoRA merged into the dequantised weights.
         self.merge_lora = merge_lora
         self.own = True  # False: prefill through the model's forward (after a failure, or to compare)
-        # What the last take held between layers (every chunk's hidden states, ids and cache columns), measured
-        # from the tensors: what the planner's per-row term must cover.
+        # The most one group of the last take held between layers (its chunks' hidden states, ids and cache
+        # columns), measured from the tensors: what the planner's fixed term must cover.
         self.held_bytes = 0
 
     def run(
@@ -225,34 +243,53 @@ class Prefill:
             logits[where] = self.through_model(kv, where, part, ids, mask, select)
         return logits
 
-    def chunks(self, rows: Sequence[PromptRow], width: int, pad_id: int) -> list[Chunk]:
-        """Rows grouped by prompt length into chunks of about `tokens` tokens, each right-padded only to its own
-        longest prompt: causal attention then needs no mask (a real token never sees the padding after it), so
-        SDPA runs its flash kernel with grouped-query heads as they are."""
-        prompts = Prompts.of([r.ids for r in rows])
-        lengths = prompts.lengths.tolist()
+    def chunk_rows(self, rows: Sequence[PromptRow]) -> list[list[int]]:
+        """Rows grouped by prompt length into chunks of about `tokens` tokens (each chunk its rows' indices, the
+        longest last), each to be right-padded only to its own longest prompt: causal attention then needs no
+        mask (a real token never sees the padding after it), so SDPA runs its flash kernel with grouped-query
+        heads as they are."""
+        lengths = [len(r.ids) for r in rows]
         order = sorted(range(len(rows)), key=lambda i: lengths[i])
-        groups: list[list[int]] = [[]]
-        for i in order:  # ascending: the newcomer is the longest of its group
-            if groups[-1] and (len(groups[-1]) + 1) * lengths[i] > self.tokens:
-                groups.append([])
-            groups[-1].append(i)
-        return [self._chunk(prompts, [rows[i] for i in group], group, width, pad_id) for group in groups]
+        chunks: list[list[int]] = [[]]
+        for i in order:  # ascending: the newcomer is the longest of its chunk
+            if chunks[-1] and (len(chunks[-1]) + 1) * lengths[i] > self.tokens:
+                chunks.append([])
+            chunks[-1].append(i)
+        return chunks
 
-    def _chunk(self, prompts: Prompts, part: Sequence[PromptRow], group: list[int], width: int, pad_id: int) -> Chunk:
+    def layer_groups(self, rows: Sequence[PromptRow]) -> list[list[list[int]]]:
+        """The chunks (`chunk_rows`) in groups of consecutive ones holding at most `group_tokens` padded tokens
+        together (a chunk larger than that alone): each group goes through the layers before the next."""
+        groups: list[list[list[int]]] = [[]]
+        held = 0
+        for chunk in self.chunk_rows(rows):
+            padded = len(chunk) * len(rows[chunk[-1]].ids)
+            if groups[-1] and held + padded > self.group_tokens:
+                groups.append([])
+                held = 0
+            groups[-1].append(chunk)
+            held += padded
+        return groups
+
+    def chunks(self, rows: Sequence[PromptRow], width: int, pad_id: int) -> list[Chunk]:
+        """Every chunk's tensors at once (`chunk_rows`), across all groups."""
+        prompts = Prompts.of([r.ids for r in rows])
+        return [self._chunk(prompts, [rows[i] for i in c], c, width, pad_id) for c in self.chunk_rows(rows)]
+
+    def _chunk(self, prompts: Prompts, part: Sequence[PromptRow], members: list[int], width: int, pad_id: int) -> Chunk:
         """One chunk's tensors, each built for all its rows at once."""
         device = self.stack.device
-        index = torch.tensor(group, dtype=torch.long)
+        index = torch.tensor(members, dtype=torch.long)
         lengths = prompts.lengths[index, None]
         steps = torch.arange(int(lengths.max()))
         real = steps < lengths  # right-padded: a row's tokens first
         # Where each token's K/V goes: a row's real tokens right-aligned at the batch width (where its decode
         # mask expects them), its padding into its own masked columns on the left (distinct slots, never read).
         columns = torch.where(real, width - lengths + steps, steps - lengths)
-        contiguous = group == list(range(group[0], group[0] + len(group)))
+        contiguous = members == list(range(members[0], members[0] + len(members)))
         rows = to_device(index[:, None], device)
         return Chunk(
-            where=slice(group[0], group[0] + len(group)) if contiguous else rows[:, 0],
+            where=slice(members[0], members[0] + len(members)) if contiguous else rows[:, 0],
             ids=to_device(prompts.padded(index, real, pad_id), device),
             rows=rows,
             columns=to_device(columns, device),
@@ -262,20 +299,37 @@ class Prefill:
 
     def own_layers(self, kv: KV, rows: Sequence[PromptRow], width: int, pad_id: int, logits: torch.Tensor) -> None:
         """Every chunk through the decoder layers as HF computes them (same modules, same LoRA arithmetic as
-        PEFT), layer by layer, without PEFT's per-module Python or a dynamic cache to copy from: K/V go straight
-        into the static cache, and each layer's 4-bit weights are dequantised once for the whole take."""
+        PEFT), without PEFT's per-module Python or a dynamic cache to copy from: K/V go straight into the static
+        cache. Group by group (`layer_groups`), each group layer by layer, so each layer's 4-bit weights are
+        dequantised once per group and only one group's hidden states are held."""
+        prompts = Prompts.of([r.ids for r in rows])
+        self.held_bytes = 0
+        for group in self.layer_groups(rows):
+            self._group(kv, prompts, rows, group, width, pad_id, logits)
+
+    def _group(
+        self,
+        kv: KV,
+        prompts: Prompts,
+        rows: Sequence[PromptRow],
+        group: list[list[int]],
+        width: int,
+        pad_id: int,
+        logits: torch.Tensor,
+    ) -> None:
+        """One group's chunks through every layer, then their first-token logits. A function of its own so the
+        group's chunk tensors and hidden states are let go on return, before the next group's are made."""
         s = self.stack
-        chunks = self.chunks(rows, width, pad_id)
+        chunks = [self._chunk(prompts, [rows[i] for i in c], c, width, pad_id) for c in group]
         rotary = [self._rotary(c.ids.shape[1]) for c in chunks]
         hidden = [self._embedded(c) for c in chunks]
-        self.held_bytes = sum(
-            held.nbytes + c.ids.nbytes + c.columns.nbytes for held, c in zip(hidden, chunks, strict=True)
-        )
+        held = sum(h.nbytes + c.ids.nbytes + c.columns.nbytes for h, c in zip(hidden, chunks, strict=True))
+        self.held_bytes = max(self.held_bytes, held)
         passes = Passes.of(chunks, merge=self.merge_lora)
         for i, (layer, cache) in enumerate(zip(s.layers, kv, strict=True)):
             self._through(i, layer, cache, chunks, hidden, passes, rotary)
-        for c, held in zip(chunks, hidden, strict=True):
-            last = held.x[torch.arange(c.ids.shape[0], device=s.device), c.last]
+        for c, h in zip(chunks, hidden, strict=True):
+            last = h.x[torch.arange(c.ids.shape[0], device=s.device), c.last]
             logits[c.where] = s.head(last).float()
 
     def _embedded(self, c: Chunk) -> Hidden:
