@@ -13,6 +13,10 @@ from tests.conftest import tiny_config
 from worker.engine import Engine
 from worker.memory import MIB, RESERVE_BYTES
 
+# Spare bytes that leave the tiny model rows beside the prefill's chunk and one group of held hidden states
+# (32,768 tokens x 528 bytes in float32: ~16.5 MiB).
+ROOM = 48 * MIB
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_models: Path) -> Engine:
@@ -39,10 +43,62 @@ def test_no_plan_passes_a_small_budget(engine: Engine, spare_mib: int) -> None:
         engine.memory.total_bytes = None
 
 
+@pytest.mark.parametrize(("chunk_tokens", "group_tokens"), [(None, None), (256, 512)])
+def test_the_plan_sets_aside_what_the_layer_major_prefill_holds(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, chunk_tokens: int | None, group_tokens: int | None
+) -> None:
+    """The static loop's prefill holds one group of chunks' hidden states between layers: the plan sets aside
+    one group's worth once (not per row), at least as many bytes as the prefill measured a group held -- with
+    the defaults (one group here) and with chunks of 4 rows in groups of 2 chunks (3 groups)."""
+    from worker.fastpath import DecodeRow
+    from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
+    from worker.loading import select_adapters
+    from worker.memory import DTYPE_BYTES, plan_batch
+
+    decoder = engine.decoders[engine.config.models["kev"].base]
+    if chunk_tokens is not None:
+        monkeypatch.setattr(decoder.prefill, "tokens", chunk_tokens)
+        monkeypatch.setattr(decoder.prefill, "group_tokens", group_tokens)
+    base = engine.base_for("kev")
+    shape, dtype_bytes = base.shape, DTYPE_BYTES[base.spec.compute_dtype]
+    fixed = max(decoder.prefill_group_tokens, decoder.prefill_tokens, 64) * shape.prefill_held_bytes_per_token(
+        dtype_bytes
+    )
+    budget = engine.memory.resident_bytes + RESERVE_BYTES + 30 * MIB + fixed
+    engine.memory.total_bytes = budget
+    try:
+        plan = engine.plan("kev", input_tokens=64, new_tokens=12)
+    finally:
+        engine.memory.total_bytes = None
+    unheld = plan_batch(
+        shape,
+        budget_bytes=budget,
+        resident_bytes=engine.memory.resident_bytes,
+        input_tokens=64,
+        new_tokens=12,
+        dtype_bytes=dtype_bytes,
+        prefill_chunk_tokens=decoder.prefill_tokens,
+        cache_tokens=128,
+        flash_prefill=True,
+        choice_chunk_rows=CHOICE_CHUNK_ROWS,
+    )
+    assert plan.bytes_per_row == unheld.bytes_per_row  # nothing per row
+    assert plan.free_bytes == unheld.free_bytes - fixed
+    assert plan.max_rows > 0 and plan.max_rows * plan.bytes_per_row <= plan.free_bytes
+    rows = min(plan.max_rows, 24)
+    batch = [DecodeRow(ids=[5 + i % 7] * (64 - i % 5), max_new=1, adapter=base.adapters["kev"]) for i in range(rows)]
+    groups = len(decoder.prefill.layer_groups(batch))
+    assert groups == (1 if chunk_tokens is None else 3)
+    decoder.decode(batch, stop_ids=[-1], pad_id=0, select=lambda names: select_adapters(base, names))
+    assert 0 < decoder.prefill.held_bytes <= fixed
+    if chunk_tokens is not None:  # two chunks of 4 rows of at most 64 tokens: a group's, not the take's
+        assert decoder.prefill.held_bytes <= 2 * 4 * 64 * shape.prefill_held_bytes_per_token(dtype_bytes)
+
+
 def test_memory_already_held_is_planned_around(engine: Engine) -> None:
     """What the allocator holds beyond the KV pool (graphs' pool, cached tensors: measured on CUDA) shrinks
     the plan by as much."""
-    engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + 30 * MIB
+    engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + ROOM
     try:
         free = engine.plan("kev", input_tokens=64, new_tokens=12)
         engine.memory.held_bytes = engine.memory.resident_bytes + 5 * MIB
@@ -62,7 +118,7 @@ def test_sampled_rows_are_planned_as_a_few_sampler_slots(engine: Engine) -> None
     from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
     from worker.memory import SAFETY_FACTOR
 
-    engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + 30 * MIB
+    engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + ROOM
     try:
         greedy = engine.plan("kev", input_tokens=64, new_tokens=12)
         sampled = engine.plan("kev", input_tokens=64, new_tokens=12, sampled_rows=3)

@@ -90,6 +90,14 @@ class ModelShape:
         """Transient activations per prompt token during prefill (MLP gate/up/act dominate)."""
         return (3 * self.intermediate + 6 * self.hidden) * dtype_bytes
 
+    def prefill_held_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """What the static loop's layer-major prefill (worker/fastpath/prefill.py) holds per (padded) prompt
+        token while a group of chunks goes through the layers one at a time: each chunk's residual stream and
+        its normed copy (two hidden-size vectors in the compute dtype), its token ids and cache columns (two
+        int64). Held across layers, but only for one group at a time: 6,160 bytes for a Qwen2.5-1.5B shape in
+        bfloat16, ~192 MiB for a group of 32,768 tokens."""
+        return 2 * self.hidden * dtype_bytes + 2 * 8
+
     def attention_bytes_per_row(self, input_tokens: int) -> int:
         """Prefill attention scores when SDPA falls back to the math kernel (a padding mask does that):
         heads x T x T in the compute dtype plus a float32 softmax. Quadratic: long prompts dominate."""
@@ -136,6 +144,7 @@ def plan_batch(
     prefill_chunk_tokens: int | None = None,
     cache_tokens: int | None = None,
     flash_prefill: bool = False,
+    prefill_group_tokens: int | None = None,
     reserve_bytes: int = RESERVE_BYTES,
     sampler_slots: int = 0,
     choice_chunk_rows: int | None = None,
@@ -146,6 +155,9 @@ def plan_batch(
     prefill activations are one fixed chunk's, not a per-row cost, and each row keeps `cache_tokens` of KV
     (allocated exactly, so planned without the safety margin the estimates get). `flash_prefill`: the loop's
     own prefill, whose unmasked causal attention never builds a score matrix (flash / memory-efficient).
+    `prefill_group_tokens`: that prefill runs groups of chunks holding at most that many prompt tokens through
+    a layer before the next, holding the group's hidden states between layers (`prefill_held_bytes_per_token`):
+    a fixed cost, one group's, not a per-row one.
     `sampler_slots`: the batch's sampled rows, bucketed, each drawing over the vocabulary in every step.
     `choice_chunk_rows`: the static loop's greedy token choice, converting that many rows' logits to float32 at
     a time (a batch with sampled rows converts them all at once)."""
@@ -166,6 +178,12 @@ def plan_batch(
         if not flash_prefill:
             chunk += chunk_rows * shape.attention_bytes_per_row(input_tokens)
         free -= int(chunk * SAFETY_FACTOR)
+        if prefill_group_tokens is not None:
+            # A layer-major group's held hidden states: exact tensors, no margin. A group holds at most
+            # `prefill_group_tokens` padded tokens, or one chunk alone where a chunk is larger (`prefill_chunk_tokens`,
+            # or a single prompt longer than that). They live beside the cache and the decode graphs' pool.
+            group = max(prefill_group_tokens, prefill_chunk_tokens, input_tokens)
+            free -= group * shape.prefill_held_bytes_per_token(dtype_bytes)
         # The loop allocates its cache exactly (rows x cache_tokens), and the float32 first-token logits the
         # prefill hands over: no margin on those, only on the estimated decode temporaries.
         exact = (cache_tokens or input_tokens + new_tokens) * kv + shape.vocab * 4

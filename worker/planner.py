@@ -195,6 +195,7 @@ class MemoryBudget:
             prefill_chunk_tokens=decoder.prefill_tokens if decoder else None,
             cache_tokens=length_bucket(input_tokens + new_tokens) if decoder else None,
             flash_prefill=decoder is not None and decoder.own_prefill,
+            prefill_group_tokens=decoder.prefill_group_tokens if decoder is not None and decoder.own_prefill else None,
             sampler_slots=sampler_slots(sampled_rows) if decoder else 0,
             choice_chunk_rows=CHOICE_CHUNK_ROWS if decoder else None,
         )

@@ -5,8 +5,10 @@ step whatever the batch size), so the GPU idles. Here greedy decoding of a batch
 
 1. prefill by the loop's own layer code, in chunks of rows of similar length (~4,096 tokens each, bounding
    activation memory), each right-padded only to its own longest prompt so causal attention needs no mask;
-   K/V go straight into a preallocated cache of `rows x cache_len` slots, where every row's prompt ends in
-   the same column; 4-bit weights are dequantised by one op per projection, not bitsandbytes' Python path;
+   layer-major: each layer's 4-bit weights are dequantised once per batch (one op per joined projection, not
+   bitsandbytes' Python path, a single adapter's LoRA merged in) and every chunk runs through that layer
+   before the next; K/V go straight into a preallocated cache of `rows x cache_len` slots, where every row's
+   prompt ends in the same column;
 2. one decode step -- embedding, every decoder layer, the LM head, the greedy choice, its log-probability,
    stop/limit bookkeeping -- written over static buffers, so on CUDA it is captured once per (rows bucket,
    length bucket, adapters) and replayed; the host checks "all rows finished?" only every few steps;
@@ -52,7 +54,7 @@ from worker.fastpath.graphs import (
 )
 from worker.fastpath.logprobs import RowLogprobs
 from worker.fastpath.ops import prefill_attention
-from worker.fastpath.prefill import AdapterSelect, Prefill, adapter_mask
+from worker.fastpath.prefill import GROUP_TOKENS, AdapterSelect, Prefill, adapter_mask
 from worker.fastpath.sampling import Sampling, draw_rows, greedy_choice, token_choice
 from worker.fastpath.scoring import Scored, ScoreRow, score_choices
 from worker.fastpath.weights import Masks, Stack
@@ -151,6 +153,7 @@ class StaticDecoder:
         use_graphs: bool,
         check_every: int = 8,
         prefill_tokens: int = 4096,
+        prefill_group_tokens: int = GROUP_TOKENS,
         fuse_lora: bool = True,
         join_projections: bool = True,
         merge_lora: bool = True,
@@ -164,7 +167,9 @@ class StaticDecoder:
             causal_lm(model), fuse_lora=fuse_lora, join_projections=join_projections, compile_ops=compile_ops
         )
         self.dtype = self.stack.dtype
-        self.prefill = Prefill(model, self.stack, tokens=prefill_tokens, merge_lora=merge_lora)
+        self.prefill = Prefill(
+            model, self.stack, tokens=prefill_tokens, group_tokens=prefill_group_tokens, merge_lora=merge_lora
+        )
         s = self.stack
         self.pool = KVPool(len(s.layers), s.kv_heads, s.head_dim, s.dtype, device)
         self.graphs = GraphCache(device, self.use_graphs)
@@ -174,6 +179,10 @@ class StaticDecoder:
     @property
     def prefill_tokens(self) -> int:
         return self.prefill.tokens
+
+    @property
+    def prefill_group_tokens(self) -> int:
+        return self.prefill.group_tokens
 
     @property
     def own_prefill(self) -> bool:

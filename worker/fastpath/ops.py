@@ -8,6 +8,7 @@ RMSNorm's statistics use torch's fused kernel. Also the attention helpers prefil
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -130,9 +131,47 @@ def prefill_attention(device: torch.device) -> contextlib.AbstractContextManager
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """Causal SDPA of (rows, heads, T, D) queries over (rows, kv_heads, T, D) keys and values, query head j
+    reading KV head j // groups as in HF's repeat_kv. Where the kernel SDPA picks reads grouped heads itself
+    (`enable_gqa`: flash on CUDA, every CPU kernel) K/V are not copied to every query head (~4% of prefill GPU
+    time on the H200); elsewhere (CUDA float32, whose only GQA kernel is the math one with its full score
+    matrix) they are, as HF does."""
+    if k.shape[1] == q.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if reads_grouped_heads(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), is_causal=True, scale=scale)
+
+
+def reads_grouped_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether causal SDPA with `enable_gqa` runs a kernel that reads the KV heads as they are: on CUDA only
+    flash attention does (asked of torch for these very tensors, under the kernels `prefill_attention`
+    allows), on the CPU every kernel does; never where this torch has no `enable_gqa`."""
+    if not sdpa_has_gqa():
+        return False
+    if q.device.type != "cuda":
+        return True
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return bool(can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, True, True)))
+
+
+@functools.cache
+def sdpa_has_gqa() -> bool:
+    """Whether this torch's SDPA takes `enable_gqa` (torch >= 2.5)."""
+    q = torch.zeros(1, 2, 1, 8)
+    try:
+        F.scaled_dot_product_attention(q, q[:, :1], q[:, :1], enable_gqa=True)
+    except TypeError:
+        return False
+    return True
+
+
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     """(rows, kv_heads, T, D) -> (rows, heads, T, D), head j reading KV head j // groups (HF's repeat_kv):
-    equal head counts keep every SDPA kernel eligible (a small copy per layer in prefill)."""
+    equal head counts keep every SDPA kernel eligible (a copy per layer in prefill)."""
     if groups == 1:
         return x
     rows, kv_heads, length, dim = x.shape

@@ -1,10 +1,20 @@
-"""Prefill: the prompts' K/V into the static cache, by the loop's own layer code, in chunks of similar length.
+"""Prefill: the prompts' K/V into the static cache, by the loop's own layer code, layer by layer.
 
-Rows are grouped by prompt length into chunks of about `tokens` tokens (bounding activation memory), each
-right-padded only to its own longest prompt, so causal attention needs no mask and SDPA runs its flash kernel;
-K/V go straight into the cache, every row's prompt ending in the same column (`width`). A single-adapter chunk
-runs with its LoRA merged into the dequantised weights. Should the loop's own prefill ever fail on a device,
-the model's own forward takes over from then on (with a log line).
+Rows are grouped by prompt length into chunks of about `tokens` tokens (bounding the activations one chunk's
+layer step makes), each right-padded only to its own longest prompt, so causal attention needs no mask and SDPA
+runs its flash kernel, reading the grouped KV heads as they are; K/V go straight into the cache, every row's
+prompt ending in the same column (`width`).
+
+The take runs layer-major over groups of consecutive chunks holding at most `group_tokens` (padded) prompt
+tokens together: each layer's 4-bit weights are dequantised once per group, and every chunk of the group goes
+through that layer before the next one (chunk by chunk through all layers, the same weights were dequantised --
+and the LoRA merged -- once per chunk: ~19% of prefill GPU time on the H200). Chunks of one adapter run with its
+LoRA merged into the dequantised weights (in place for the last adapter a layer serves); mixed chunks add each
+adapter's delta masked per row. The price is memory: the group's hidden states (the residual stream and its
+norm) are held between layers. Bounding them by a group, not the whole take, makes them a fixed cost the
+planner sets aside once (`ModelShape.prefill_held_bytes_per_token` x the group), not one per row: planned per
+row, they cost nightly-like takes ~12% of their rows, more than the dequantisation saved. Should the loop's
+own prefill ever fail on a device, the model's own forward takes over from then on (with a log line).
 """
 
 from __future__ import annotations
@@ -13,16 +23,21 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from worker.fastpath.graphs import KV
-from worker.fastpath.ops import prefill_attention, repeat_kv
-from worker.fastpath.weights import Masks, Stack
+from worker.fastpath.ops import causal_attention, prefill_attention
+from worker.fastpath.weights import Dense, Layer, Masks, Stack, is_mixed, only_adapter
 
 log = logging.getLogger("kevlaya.fastpath")
+
+# The most (padded) prompt tokens whose hidden states the layer-major prefill holds between layers: 8 chunks of
+# the default 4,096 tokens, so each layer is dequantised once per 8 chunks, not per chunk; for a Qwen2.5-1.5B
+# shape in bfloat16 (6,160 bytes a token) ~192 MiB, a fixed cost the planner sets aside (worker/memory.py).
+GROUP_TOKENS = 32768
 
 AdapterSelect = Callable[[Sequence[str | None]], contextlib.AbstractContextManager[dict[str, Any]]]
 
@@ -45,18 +60,40 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+@dataclass(frozen=True)
+class Prompts:
+    """A take's prompts as host tensors, built in one step (not row by row): every token side by side, and
+    where each row's tokens start and how many there are."""
+
+    tokens: torch.Tensor  # (total,) int64
+    starts: torch.Tensor  # (rows,)
+    lengths: torch.Tensor  # (rows,)
+
+    @classmethod
+    def of(cls, rows: Sequence[Sequence[int]]) -> Prompts:
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        tokens = torch.tensor(list(chain.from_iterable(rows)), dtype=torch.long)
+        return cls(tokens=tokens, starts=lengths.cumsum(0) - lengths, lengths=lengths)
+
+    def padded(self, index: torch.Tensor, real: torch.Tensor, pad_id: int) -> torch.Tensor:
+        """(len(index), real.shape[1]) ids: the tokens of rows `index` where `real` is set (each row's real
+        slots in order, as many as its length), `pad_id` elsewhere."""
+        ids = torch.full(real.shape, pad_id, dtype=torch.long)
+        offsets = real.cumsum(-1) - 1  # the k-th real slot of a row holds its k-th token
+        ids[real] = self.tokens[(self.starts[index, None] + offsets)[real]]
+        return ids
+
+
 def left_pad(
     rows: Sequence[Sequence[int]], pad_id: int, device: torch.device, width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and attention mask (1 = real token), each row left-padded to `width` (default: the longest),
     so every row's last prompt token sits in the same column."""
-    width = width or max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r) :] = 1
-    return to_device(ids, device), to_device(mask, device)
+    prompts = Prompts.of(rows)
+    width = width or int(prompts.lengths.max())
+    real = torch.arange(width) >= width - prompts.lengths[:, None]
+    ids = prompts.padded(torch.arange(len(rows)), real, pad_id)
+    return to_device(ids, device), to_device(real.long(), device)
 
 
 def positions_of(mask: torch.Tensor) -> torch.Tensor:
@@ -92,16 +129,87 @@ class Chunk:
     masks: Masks
 
 
+@dataclass(frozen=True)
+class Hidden:
+    """A chunk's hidden states between two layers: the residual stream and the next layer's normed input."""
+
+    h: torch.Tensor  # (rows, span, hidden)
+    x: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.h.nbytes + self.x.nbytes
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """A chunk's cos and sin, computed once for all its layers: its rows are right-padded, every one at
+    positions 0 .. span - 1, so one row of positions serves them all (broadcast)."""
+
+    cos: torch.Tensor  # (1, span, head_dim)
+    sin: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Passes:
+    """The chunks of a group by the weights a layer runs them on: `plain` (the dequantised weights, each
+    chunk's LoRA -- if any -- masked per row: mixed chunks, base-model chunks, every chunk when merging is off)
+    and `merged` (per adapter, its single-adapter chunks, which run with that LoRA merged into the weights)."""
+
+    plain: tuple[int, ...]
+    merged: dict[str, tuple[int, ...]]
+
+    @classmethod
+    def of(cls, chunks: Sequence[Chunk], *, merge: bool) -> Passes:
+        plain: list[int] = []
+        merged: dict[str, list[int]] = {}
+        for j, c in enumerate(chunks):
+            adapter = None if is_mixed(c.masks) else only_adapter(c.masks)
+            if merge and adapter is not None:
+                merged.setdefault(adapter, []).append(j)
+            else:
+                plain.append(j)
+        return cls(plain=tuple(plain), merged={a: tuple(js) for a, js in sorted(merged.items())})
+
+    def weights(self, layer: Layer, chunks: Sequence[Chunk]) -> Iterator[tuple[int, Dense, Masks]]:
+        """(chunk, weights, LoRA masks) for every chunk through `layer`, its weights dequantised once: the plain
+        chunks first, then each adapter's chunks on the weights with its LoRA merged -- a copy for all but the
+        last adapter, which merges into the dequantised buffers themselves, no longer needed plain. An adapter
+        the layer cannot merge (no ready weights, PEFT's float32 arithmetic kept) runs its chunks plain."""
+        dense = layer.dense()
+        adapters = [a for a in self.merged if layer.mergeable(dense, a)]
+        plain = sorted(self.plain + tuple(j for a, js in self.merged.items() if a not in adapters for j in js))
+        for j in plain:
+            yield j, dense, chunks[j].masks
+        for n, adapter in enumerate(adapters):
+            merged = layer.merge(dense, adapter, in_place=n == len(adapters) - 1)
+            for j in self.merged[adapter]:
+                yield j, merged, []
+
+
 class Prefill:
     """Prompts into a static cache; `run` returns each row's first-token logits (float32)."""
 
-    def __init__(self, model: Any, stack: Stack, *, tokens: int = 4096, merge_lora: bool = True) -> None:
+    def __init__(
+        self,
+        model: Any,
+        stack: Stack,
+        *,
+        tokens: int = 4096,
+        group_tokens: int = GROUP_TOKENS,
+        merge_lora: bool = True,
+    ) -> None:
         self.model = model  # what the fallback calls (the PEFT wrapper, so adapters apply)
         self.stack = stack
         self.tokens = tokens  # about this many prompt tokens per chunk
+        # At most this many padded prompt tokens (a single larger chunk: its own) go through the layers together.
+        self.group_tokens = group_tokens
         # Prefill a single-adapter chunk with its (fused) LoRA merged into the dequantised weights.
         self.merge_lora = merge_lora
         self.own = True  # False: prefill through the model's forward (after a failure, or to compare)
+        # The most one group of the last take held between layers (its chunks' hidden states, ids and cache
+        # columns), measured from the tensors: what the planner's fixed term must cover.
+        self.held_bytes = 0
 
     def run(
         self,
@@ -135,66 +243,145 @@ class Prefill:
             logits[where] = self.through_model(kv, where, part, ids, mask, select)
         return logits
 
-    def chunks(self, rows: Sequence[PromptRow], width: int, pad_id: int) -> list[Chunk]:
-        """Rows grouped by prompt length into chunks of about `tokens` tokens, each right-padded only to its own
-        longest prompt: causal attention then needs no mask (a real token never sees the padding after it), so
-        SDPA runs its flash kernel with grouped-query heads as they are."""
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i].ids))
-        groups: list[list[int]] = [[]]
-        for i in order:  # ascending: the newcomer is the longest of its group
-            if groups[-1] and (len(groups[-1]) + 1) * len(rows[i].ids) > self.tokens:
-                groups.append([])
-            groups[-1].append(i)
-        return [self._chunk(rows, group, width, pad_id) for group in groups]
+    def chunk_rows(self, rows: Sequence[PromptRow]) -> list[list[int]]:
+        """Rows grouped by prompt length into chunks of about `tokens` tokens (each chunk its rows' indices, the
+        longest last), each to be right-padded only to its own longest prompt: causal attention then needs no
+        mask (a real token never sees the padding after it), so SDPA runs its flash kernel with grouped-query
+        heads as they are."""
+        lengths = [len(r.ids) for r in rows]
+        order = sorted(range(len(rows)), key=lambda i: lengths[i])
+        chunks: list[list[int]] = [[]]
+        for i in order:  # ascending: the newcomer is the longest of its chunk
+            if chunks[-1] and (len(chunks[-1]) + 1) * lengths[i] > self.tokens:
+                chunks.append([])
+            chunks[-1].append(i)
+        return chunks
 
-    def _chunk(self, rows: Sequence[PromptRow], group: list[int], width: int, pad_id: int) -> Chunk:
+    def layer_groups(self, rows: Sequence[PromptRow]) -> list[list[list[int]]]:
+        """The chunks (`chunk_rows`) in groups of consecutive ones holding at most `group_tokens` padded tokens
+        together (a chunk larger than that alone): each group goes through the layers before the next."""
+        groups: list[list[list[int]]] = [[]]
+        held = 0
+        for chunk in self.chunk_rows(rows):
+            padded = len(chunk) * len(rows[chunk[-1]].ids)
+            if groups[-1] and held + padded > self.group_tokens:
+                groups.append([])
+                held = 0
+            groups[-1].append(chunk)
+            held += padded
+        return groups
+
+    def chunks(self, rows: Sequence[PromptRow], width: int, pad_id: int) -> list[Chunk]:
+        """Every chunk's tensors at once (`chunk_rows`), across all groups."""
+        prompts = Prompts.of([r.ids for r in rows])
+        return [self._chunk(prompts, [rows[i] for i in c], c, width, pad_id) for c in self.chunk_rows(rows)]
+
+    def _chunk(self, prompts: Prompts, part: Sequence[PromptRow], members: list[int], width: int, pad_id: int) -> Chunk:
+        """One chunk's tensors, each built for all its rows at once."""
         device = self.stack.device
-        lengths = [len(rows[i].ids) for i in group]
-        span = max(lengths)
-        ids = torch.full((len(group), span), pad_id, dtype=torch.long)
+        index = torch.tensor(members, dtype=torch.long)
+        lengths = prompts.lengths[index, None]
+        steps = torch.arange(int(lengths.max()))
+        real = steps < lengths  # right-padded: a row's tokens first
         # Where each token's K/V goes: a row's real tokens right-aligned at the batch width (where its decode
         # mask expects them), its padding into its own masked columns on the left (distinct slots, never read).
-        columns = torch.empty((len(group), span), dtype=torch.long)
-        steps = torch.arange(span)
-        for j, (i, n) in enumerate(zip(group, lengths, strict=True)):
-            ids[j, :n] = torch.tensor(rows[i].ids, dtype=torch.long)
-            columns[j] = torch.where(steps < n, width - n + steps, steps - n)
-        contiguous = group == list(range(group[0], group[0] + len(group)))
-        index = to_device(torch.tensor(group)[:, None], device)
+        columns = torch.where(real, width - lengths + steps, steps - lengths)
+        contiguous = members == list(range(members[0], members[0] + len(members)))
+        rows = to_device(index[:, None], device)
         return Chunk(
-            where=slice(group[0], group[0] + len(group)) if contiguous else index[:, 0],
-            ids=to_device(ids, device),
-            rows=index,
+            where=slice(members[0], members[0] + len(members)) if contiguous else rows[:, 0],
+            ids=to_device(prompts.padded(index, real, pad_id), device),
+            rows=rows,
             columns=to_device(columns, device),
-            last=to_device(torch.tensor(lengths) - 1, device),
-            masks=row_masks([rows[i] for i in group], self.stack.dtype, device),
+            last=to_device(lengths[:, 0] - 1, device),
+            masks=row_masks(part, self.stack.dtype, device),
         )
 
     def own_layers(self, kv: KV, rows: Sequence[PromptRow], width: int, pad_id: int, logits: torch.Tensor) -> None:
-        """Each chunk through the decoder layers as HF computes them (same modules, same LoRA arithmetic as
-        PEFT), without PEFT's per-module Python or a dynamic cache to copy from: K/V go straight into the
-        static cache, and 4-bit weights are dequantised by one op instead of bitsandbytes' Python path."""
+        """Every chunk through the decoder layers as HF computes them (same modules, same LoRA arithmetic as
+        PEFT), without PEFT's per-module Python or a dynamic cache to copy from: K/V go straight into the static
+        cache. Group by group (`layer_groups`), each group layer by layer, so each layer's 4-bit weights are
+        dequantised once per group and only one group's hidden states are held."""
+        prompts = Prompts.of([r.ids for r in rows])
+        self.held_bytes = 0
+        for group in self.layer_groups(rows):
+            self._group(kv, prompts, rows, group, width, pad_id, logits)
+
+    def _group(
+        self,
+        kv: KV,
+        prompts: Prompts,
+        rows: Sequence[PromptRow],
+        group: list[list[int]],
+        width: int,
+        pad_id: int,
+        logits: torch.Tensor,
+    ) -> None:
+        """One group's chunks through every layer, then their first-token logits. A function of its own so the
+        group's chunk tensors and hidden states are let go on return, before the next group's are made."""
         s = self.stack
-        for c in self.chunks(rows, width, pad_id):
-            h = s.embed(c.ids)
-            count, span = c.ids.shape
-            positions = torch.arange(span, device=s.device).expand(count, span)
-            cos, sin = s.rotary(h, positions)
-            x = s.ops.norm(s.layers[0].norm1, h)
-            for i, (layer, (k_cache, v_cache)) in enumerate(zip(s.layers, kv, strict=True)):
-                merged = layer.merged(c.masks) if self.merge_lora else None
-                dense, masks = (merged, []) if merged is not None else (layer.dense(), c.masks)
-                q, k, v = s.qkv(layer, x, masks, cos, sin, dense)
-                # (rows, kv_heads, span, D) -> the cache's (rows, span) slots: advanced indices put those first.
-                k_cache[c.rows, :, c.columns] = k.transpose(1, 2)
-                v_cache[c.rows, :, c.columns] = v.transpose(1, 2)
-                out = F.scaled_dot_product_attention(
-                    q, repeat_kv(k, s.groups), repeat_kv(v, s.groups), is_causal=True, scale=layer.scaling
-                )
-                attn = out.transpose(1, 2).reshape(count, span, s.heads * s.head_dim)
-                h, x = s.rest(layer, h, attn, masks, s.next_norm(i), dense)
-            last = x[torch.arange(count, device=s.device), c.last]
+        chunks = [self._chunk(prompts, [rows[i] for i in c], c, width, pad_id) for c in group]
+        rotary = [self._rotary(c.ids.shape[1]) for c in chunks]
+        hidden = [self._embedded(c) for c in chunks]
+        held = sum(h.nbytes + c.ids.nbytes + c.columns.nbytes for h, c in zip(hidden, chunks, strict=True))
+        self.held_bytes = max(self.held_bytes, held)
+        passes = Passes.of(chunks, merge=self.merge_lora)
+        for i, (layer, cache) in enumerate(zip(s.layers, kv, strict=True)):
+            self._through(i, layer, cache, chunks, hidden, passes, rotary)
+        for c, h in zip(chunks, hidden, strict=True):
+            last = h.x[torch.arange(c.ids.shape[0], device=s.device), c.last]
             logits[c.where] = s.head(last).float()
+
+    def _embedded(self, c: Chunk) -> Hidden:
+        s = self.stack
+        h = s.embed(c.ids)
+        return Hidden(h=h, x=s.ops.norm(s.layers[0].norm1, h))
+
+    def _rotary(self, span: int) -> Rotary:
+        s = self.stack
+        like = torch.empty(0, dtype=s.dtype, device=s.device)  # what the rotary module reads: dtype and device
+        cos, sin = s.rotary(like, torch.arange(span, device=s.device)[None])
+        return Rotary(cos=cos, sin=sin)
+
+    def _through(
+        self,
+        i: int,
+        layer: Layer,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        chunks: Sequence[Chunk],
+        hidden: list[Hidden],
+        passes: Passes,
+        rotary: Sequence[Rotary],
+    ) -> None:
+        """Every chunk through layer `i`, its hidden states replaced by the layer's output. A function of its
+        own so the layer's dequantised weights are let go on return, before the next layer's are made (a loop
+        variable would keep them alive meanwhile: a layer's worth of weights more than the planner counts)."""
+        for j, weights, masks in passes.weights(layer, chunks):
+            hidden[j] = self._layer(i, layer, cache, chunks[j], hidden[j], weights, masks, rotary[j])
+
+    def _layer(
+        self,
+        i: int,
+        layer: Layer,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        c: Chunk,
+        held: Hidden,
+        weights: Dense,
+        masks: Masks,
+        rotary: Rotary,
+    ) -> Hidden:
+        """One chunk through layer `i`: its K/V into the cache, attention, the rest of the layer."""
+        s = self.stack
+        k_cache, v_cache = cache
+        count, span = c.ids.shape
+        q, k, v = s.qkv(layer, held.x, masks, rotary.cos, rotary.sin, weights)
+        # (rows, kv_heads, span, D) -> the cache's (rows, span) slots: advanced indices put those first.
+        k_cache[c.rows, :, c.columns] = k.transpose(1, 2)
+        v_cache[c.rows, :, c.columns] = v.transpose(1, 2)
+        out = causal_attention(q, k, v, scale=layer.scaling)
+        attn = out.transpose(1, 2).reshape(count, span, s.heads * s.head_dim)
+        h, x = s.rest(layer, held.h, attn, masks, s.next_norm(i), weights)
+        return Hidden(h=h, x=x)
 
     def through_model(
         self,

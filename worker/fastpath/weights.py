@@ -14,12 +14,27 @@ import torch.nn.functional as F
 from worker.fastpath.ops import Ops, norm_of
 from worker.fastpath.quant4 import Layout4bit, float_absmax
 
+# Where the loop runs 4-bit weights by bitsandbytes' ops itself (scales decoded once, one dequantise op). On the
+# CPU bitsandbytes repacks a 4-bit weight for its own kernel at its first call: left to that (tests that need
+# the loop's own 4-bit path on the CPU add "cpu", on models bitsandbytes has not run yet).
+OWN_4BIT_DEVICES = frozenset({"cuda"})
+
 GroupDense = tuple[torch.Tensor | None, ...]
 Masks = list[tuple[str, torch.Tensor | None]]  # (adapter, per-row 0/1 mask or None: every row) per LoRA delta
 # Per layer: the q/k/v group's ready weights, o's, the gate/up group's, down's (a group: one joint weight or one
 # per member; None: that base layer runs itself).
 Dense = tuple[GroupDense, torch.Tensor | None, GroupDense, torch.Tensor | None]
 NO_DENSE: Dense = ((), None, (), None)
+
+
+def is_mixed(masks: Masks) -> bool:
+    """Rows of several adapters (each LoRA masked per row): no single adapter to merge into the weights."""
+    return len(masks) > 1 or any(mask is not None for _, mask in masks)
+
+
+def only_adapter(masks: Masks) -> str | None:
+    """The one adapter of rows that are not `is_mixed` (None: the base model)."""
+    return masks[0][0] if masks else None
 
 
 @dataclass(frozen=True)
@@ -53,10 +68,9 @@ class Proj:
         # PEFT's bnb layers cast the delta to the output dtype before adding; its plain layers add, then cast.
         self.cast_delta_first = type(module).__module__.endswith("lora.bnb")
         self.dtype = dtype
-        # On CPU bitsandbytes repacks a 4-bit weight for its own kernel at the first call: leave it to that.
         state = getattr(self.base.weight, "quant_state", None)
-        on_gpu = self.base.weight.device.type == "cuda"
-        self.absmax = float_absmax(state) if state is not None and on_gpu else None
+        ours = self.base.weight.device.type in OWN_4BIT_DEVICES
+        self.absmax = float_absmax(state) if state is not None and ours else None
 
     def dense(self) -> torch.Tensor | None:
         """The base weight ready for `F.linear`: a plain layer's own weight, or a CUDA 4-bit weight dequantised
@@ -79,17 +93,26 @@ class Proj:
             dtype=dtype,
         )  # fmt: skip
 
-    def merged(self, adapter: str | None) -> torch.Tensor | None:
-        """`dense()` with `adapter`'s fused LoRA delta added into the weight (W + B A, one small matmul per
-        prefill chunk instead of two on every token); None where that cannot be done exactly as planned (no
-        ready weight, or PEFT's float32 arithmetic kept)."""
-        weight = self.dense()
-        if weight is None or adapter is None or adapter not in self.lora:
+    @property
+    def dequantises(self) -> bool:
+        """Whether `dense()` hands out a fresh buffer (a 4-bit weight dequantised) rather than the layer's own
+        weight: only a fresh buffer may take a LoRA merge in place."""
+        return self._layout() is not None
+
+    def mergeable(self, weight: torch.Tensor | None, adapter: str | None) -> bool:
+        """Whether `merge` can give `weight` with `adapter` merged exactly as planned (a ready weight, and the
+        adapter's fused compute-dtype copies where it has a LoRA here: else PEFT's float32 arithmetic is kept)."""
+        return weight is not None and (adapter is None or adapter not in self.lora or adapter in self.fused)
+
+    def merge(self, weight: torch.Tensor | None, adapter: str | None, *, in_place: bool) -> torch.Tensor | None:
+        """`weight` (this projection's `dense()`, `mergeable`) with `adapter`'s fused LoRA delta added into it:
+        W + B A, one small matmul per layer instead of two on every token. `in_place` (the caller needs the
+        plain weight no more) adds into a dequantised buffer itself: `addmm` out of place first copies the whole
+        weight (~5% of prefill GPU time). The layer's own weight is never written."""
+        if adapter is None or adapter not in self.lora:
             return weight
-        if adapter not in self.fused:
-            return None
         a, b = self.fused[adapter]
-        return torch.addmm(weight, b, a)
+        return weight.addmm_(b, a) if in_place and self.dequantises else torch.addmm(weight, b, a)
 
     def __call__(self, x: torch.Tensor, masks: Masks, dense: torch.Tensor | None = None) -> torch.Tensor:
         return self.add_lora(self.base_out(x, dense), x, masks)
@@ -166,18 +189,31 @@ class Group:
             return (self.joint.dense(),)
         return tuple(p.dense() for p in self.projs)
 
-    def merged(self, adapter: str | None) -> GroupDense | None:
-        """`dense()` with `adapter`'s LoRA merged into the weights (see `Proj.merged`), or None."""
+    def _touches(self, adapter: str | None) -> bool:
+        """Whether `adapter` has a LoRA on any member (else merging it changes nothing here)."""
+        return adapter is not None and any(adapter in p.lora for p in self.projs)
+
+    def mergeable(self, dense: GroupDense, adapter: str | None) -> bool:
+        """Whether `merge` can merge `adapter` into `dense` (this group's `dense()`): see `Proj.mergeable`."""
         if self.joint is None:
-            parts = tuple(p.merged(adapter) for p in self.projs)
-            return None if any(part is None for part in parts) else parts
-        weight = self.joint.dense()
-        if adapter is None or not any(adapter in p.lora for p in self.projs):
-            return (weight,)
-        if adapter not in self.lora:
-            return None
+            return all(p.mergeable(d, adapter) for p, d in zip(self.projs, dense, strict=True))
+        return not self._touches(adapter) or adapter in self.lora
+
+    def merge(self, dense: GroupDense, adapter: str | None, *, in_place: bool) -> GroupDense:
+        """`dense` (`mergeable`) with `adapter`'s LoRA merged into the weights (see `Proj.merge`)."""
+        if self.joint is None:
+            return tuple(p.merge(d, adapter, in_place=in_place) for p, d in zip(self.projs, dense, strict=True))
+        (weight,) = dense
+        if not self._touches(adapter):
+            return dense
         a, b = self.lora[adapter]
-        return (torch.addmm(weight, b, a),)
+        fresh = in_place and self.joint.quant is not None  # a dequantised buffer, not the members' own weights
+        return (weight.addmm_(b, a) if fresh else torch.addmm(weight, b, a),)
+
+    def merged(self, adapter: str | None) -> GroupDense | None:
+        """`dense()` with `adapter`'s LoRA merged into the weights (into the fresh buffers themselves), or None."""
+        dense = self.dense()
+        return self.merge(dense, adapter, in_place=True) if self.mergeable(dense, adapter) else None
 
     def __call__(
         self, x: torch.Tensor, masks: Masks, dense: GroupDense = ()
@@ -293,17 +329,36 @@ class Layer:
     def dense(self) -> Dense:
         return (self.qkv.dense(), self.o.dense(), self.gate_up.dense(), self.down.dense())
 
+    def mergeable(self, dense: Dense, adapter: str | None) -> bool:
+        """Whether `merge` can merge `adapter` into `dense` (this layer's `dense()`) in every projection:
+        checked before anything is written, so a merge in place never stops half-way."""
+        qkv, o, gate_up, down = dense
+        return (
+            self.qkv.mergeable(qkv, adapter)
+            and self.o.mergeable(o, adapter)
+            and self.gate_up.mergeable(gate_up, adapter)
+            and self.down.mergeable(down, adapter)
+        )
+
+    def merge(self, dense: Dense, adapter: str | None, *, in_place: bool) -> Dense:
+        """`dense` (`mergeable`) with `adapter`'s LoRA merged in: its LoRA then costs nothing per token.
+        `in_place`: into the dequantised buffers themselves, for a caller that needs the plain ones no more."""
+        qkv, o, gate_up, down = dense
+        return (
+            self.qkv.merge(qkv, adapter, in_place=in_place),
+            self.o.merge(o, adapter, in_place=in_place),
+            self.gate_up.merge(gate_up, adapter, in_place=in_place),
+            self.down.merge(down, adapter, in_place=in_place),
+        )
+
     def merged(self, masks: Masks) -> Dense | None:
-        """Ready weights with the one adapter of a single-adapter chunk merged in (its LoRA then costs nothing
-        per token), or None: a mixed chunk, or a projection that cannot merge."""
-        if len(masks) > 1 or (masks and masks[0][1] is not None):
+        """Ready weights with the one adapter of a single-adapter chunk merged in, or None: a mixed chunk, or a
+        projection that cannot merge."""
+        if is_mixed(masks):
             return None
-        adapter = masks[0][0] if masks else None
-        qkv, gate_up = self.qkv.merged(adapter), self.gate_up.merged(adapter)
-        o, down = self.o.merged(adapter), self.down.merged(adapter)
-        if qkv is None or gate_up is None or o is None or down is None:
-            return None
-        return (qkv, o, gate_up, down)
+        adapter = only_adapter(masks)
+        dense = self.dense()
+        return self.merge(dense, adapter, in_place=True) if self.mergeable(dense, adapter) else None
 
 
 class Stack:

@@ -1,0 +1,449 @@
+"""The layer-major prefill (worker/fastpath/prefill.py) against the chunk-major loop it replaced, kept here as
+the reference: the same K/V cache and first-token logits bit for bit, and so the same tokens, over several
+chunks of rows of different lengths with Kev, Laya, base and mixed chunks -- in float32 (PEFT's LoRA
+arithmetic), 4-bit on the CPU (bitsandbytes runs its layers), bfloat16 (LoRA merged into a copy of the
+weights) and 4-bit in bfloat16 dequantised by the loop itself (LoRA merged in place) -- with the take in one
+group of chunks and in several (`group_tokens`, boundaries inside one adapter's chunks). Also: each layer is
+dequantised once per group, K/V are never expanded to the query heads, the chunk tensors built at once hold
+what row-by-row building gave, and a group holds at most `group_tokens` tokens' hidden states."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import tiny_config
+from worker.config import load_config
+from worker.engine import Engine
+from worker.fastpath import DecodeRow, StaticDecoder
+from worker.fastpath import weights as weights_module
+from worker.fastpath.graphs import KV
+from worker.fastpath.ops import causal_attention, repeat_kv
+from worker.fastpath.prefill import GROUP_TOKENS, Chunk, Passes, Prefill, PromptRow, row_masks, to_device
+from worker.fastpath.weights import Dense, Layer, Masks, is_mixed, only_adapter
+from worker.loading import select_adapters
+
+CHUNK_TOKENS = 24  # small chunks: the rows below make seven of them
+# (prompt length, adapter), in no particular order: sorted by length they chunk into Kev only, Laya only,
+# Kev + Laya (mixed), base + Kev (mixed), Laya alone, Laya alone, Kev alone.
+SHAPES = [(12, "kev"), (3, "kev"), (8, "laya"), (13, "laya"), (5, "kev"), (11, None), (20, "laya")]
+SHAPES += [(4, "kev"), (7, "laya"), (9, "kev"), (10, "laya"), (23, "kev")]
+# Their seven chunks hold 15, 16, 20, 24, 13, 20 and 23 padded tokens: groups of at most 40 tokens are
+# [Kev, Laya], [Kev + Laya], [base + Kev, Laya], [Laya], [Kev] -- Laya's own chunks across three groups.
+SPLIT_LAYA = 40
+
+
+@dataclass(frozen=True)
+class Loop:
+    decoder: StaticDecoder
+    base: Any  # its LoadedBase, for the decode's adapter selection
+
+
+def bf16_config(tiny_models: Path, quantization: str) -> Any:
+    path = tiny_models / f"models-{quantization}-bf16.toml"
+    path.write_text(tiny_config(tiny_models, quantization).path.read_text().replace('"float32"', '"bfloat16"'))
+    return load_config(path)
+
+
+@pytest.fixture(scope="module", params=["float32", "nf4", "bfloat16", "nf4-bfloat16-own"])
+def loop(request: pytest.FixtureRequest, tiny_models: Path) -> Iterator[Loop]:
+    """The static loop of a freshly loaded tiny base. `nf4-bfloat16-own`: 4-bit weights the loop dequantises
+    itself on the CPU too (as on a GPU), so LoRA merges into the dequantised buffers in place."""
+    kind = request.param
+    with pytest.MonkeyPatch.context() as patch:
+        if kind == "float32":
+            config = tiny_config(tiny_models, "none")
+        elif kind == "nf4":
+            config = tiny_config(tiny_models, "nf4")
+        elif kind == "bfloat16":
+            config = bf16_config(tiny_models, "none")
+        else:
+            patch.setattr(weights_module, "OWN_4BIT_DEVICES", frozenset({"cuda", "cpu"}))
+            config = bf16_config(tiny_models, "nf4")
+        engine = Engine(config, device="cpu", decode="static")
+    ((decoder,), (base,)) = engine.decoders.values(), engine.bases.values()
+    decoder.prefill.tokens = CHUNK_TOKENS
+    yield Loop(decoder=decoder, base=base)
+
+
+@pytest.fixture
+def decoder(loop: Loop) -> StaticDecoder:
+    return loop.decoder
+
+
+def decode_rows(shapes: Sequence[tuple[int, str | None]] = SHAPES, max_new: int = 5) -> list[DecodeRow]:
+    return [
+        DecodeRow(ids=[(7 * i + 3 * t) % 50 + 3 for t in range(n)], max_new=max_new, adapter=adapter)
+        for i, (n, adapter) in enumerate(shapes)
+    ]
+
+
+# ---- the chunk-major loop this prefill replaced, as the reference ----------------------------------------------
+
+
+def reference_chunk(prefill: Prefill, rows: Sequence[PromptRow], group: list[int], width: int, pad_id: int) -> Chunk:
+    """A chunk's tensors built row by row, as before."""
+    device = prefill.stack.device
+    lengths = [len(rows[i].ids) for i in group]
+    span = max(lengths)
+    ids = torch.full((len(group), span), pad_id, dtype=torch.long)
+    columns = torch.empty((len(group), span), dtype=torch.long)
+    steps = torch.arange(span)
+    for j, (i, n) in enumerate(zip(group, lengths, strict=True)):
+        ids[j, :n] = torch.tensor(rows[i].ids, dtype=torch.long)
+        columns[j] = torch.where(steps < n, width - n + steps, steps - n)
+    contiguous = group == list(range(group[0], group[0] + len(group)))
+    index = to_device(torch.tensor(group)[:, None], device)
+    return Chunk(
+        where=slice(group[0], group[0] + len(group)) if contiguous else index[:, 0],
+        ids=to_device(ids, device),
+        rows=index,
+        columns=to_device(columns, device),
+        last=to_device(torch.tensor(lengths) - 1, device),
+        masks=row_masks([rows[i] for i in group], prefill.stack.dtype, device),
+    )
+
+
+def reference_groups(rows: Sequence[PromptRow], tokens: int) -> list[list[int]]:
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i].ids))
+    groups: list[list[int]] = [[]]
+    for i in order:
+        if groups[-1] and (len(groups[-1]) + 1) * len(rows[i].ids) > tokens:
+            groups.append([])
+        groups[-1].append(i)
+    return groups
+
+
+def reference_merged(layer: Layer, masks: Masks) -> Dense | None:
+    """The weights with a single-adapter chunk's LoRA merged into a copy (out of place), as before."""
+    if is_mixed(masks):
+        return None
+    dense, adapter = layer.dense(), only_adapter(masks)
+    return layer.merge(dense, adapter, in_place=False) if layer.mergeable(dense, adapter) else None
+
+
+def chunk_major(prefill: Prefill, kv: KV, rows: Sequence[PromptRow], width: int, pad_id: int, logits: torch.Tensor):
+    """Each chunk through every layer before the next chunk: weights dequantised (and merged) per chunk and
+    layer, K/V repeated to every query head, rotary per chunk from its (rows, span) positions."""
+    s = prefill.stack
+    for group in reference_groups(rows, prefill.tokens):
+        c = reference_chunk(prefill, rows, group, width, pad_id)
+        h = s.embed(c.ids)
+        count, span = c.ids.shape
+        positions = torch.arange(span, device=s.device).expand(count, span)
+        cos, sin = s.rotary(h, positions)
+        x = s.ops.norm(s.layers[0].norm1, h)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(s.layers, kv, strict=True)):
+            merged = reference_merged(layer, c.masks) if prefill.merge_lora else None
+            dense, masks = (merged, []) if merged is not None else (layer.dense(), c.masks)
+            q, k, v = s.qkv(layer, x, masks, cos, sin, dense)
+            k_cache[c.rows, :, c.columns] = k.transpose(1, 2)
+            v_cache[c.rows, :, c.columns] = v.transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q, repeat_kv(k, s.groups), repeat_kv(v, s.groups), is_causal=True, scale=layer.scaling
+            )
+            attn = out.transpose(1, 2).reshape(count, span, s.heads * s.head_dim)
+            h, x = s.rest(layer, h, attn, masks, s.next_norm(i), dense)
+        last = x[torch.arange(count, device=s.device), c.last]
+        logits[c.where] = s.head(last).float()
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------------
+
+
+def fresh_kv(loop: StaticDecoder, rows: int, length: int) -> KV:
+    s = loop.stack
+    shape = (rows, s.kv_heads, length, s.head_dim)
+    return [(torch.zeros(shape, dtype=s.dtype), torch.zeros(shape, dtype=s.dtype)) for _ in s.layers]
+
+
+def prefill_both(loop: StaticDecoder, rows: Sequence[DecodeRow]) -> tuple[KV, torch.Tensor, KV, torch.Tensor]:
+    """(K/V, logits) of the layer-major prefill, then of the chunk-major reference, on fresh caches."""
+    width = max(len(r.ids) for r in rows)
+    vocab = loop.stack.head.out_features
+    kv_new, kv_old = fresh_kv(loop, len(rows), width + 4), fresh_kv(loop, len(rows), width + 4)
+    with torch.inference_mode():
+        new = loop.prefill.run(kv_new, rows, width=width, out_rows=len(rows), pad_id=0, select=_no_fallback)
+        old = torch.zeros(len(rows), vocab)
+        chunk_major(loop.prefill, kv_old, rows, width, 0, old)
+    return kv_new, new, kv_old, old
+
+
+def _no_fallback(names: Sequence[str | None]) -> Any:
+    raise AssertionError("the loop's own prefill fell back to the model's forward")
+
+
+def assert_same_cache(a: KV, b: KV) -> None:
+    for layer, ((ka, va), (kb, vb)) in enumerate(zip(a, b, strict=True)):
+        assert torch.equal(ka, kb), f"keys of layer {layer}"
+        assert torch.equal(va, vb), f"values of layer {layer}"
+
+
+# ---- the tests -------------------------------------------------------------------------------------------------
+
+
+def test_the_rows_make_single_adapter_base_and_mixed_chunks(decoder: StaticDecoder) -> None:
+    rows = decode_rows()
+    chunks = decoder.prefill.chunks(rows, 23, 0)
+    passes = Passes.of(chunks, merge=True)
+    assert len(chunks) == 7
+    assert set(passes.merged) == {"kev", "laya"}
+    assert sum(is_mixed(c.masks) for c in chunks) == 2
+    assert any(isinstance(c.where, torch.Tensor) for c in chunks)  # rows out of order: an index
+
+
+@pytest.mark.parametrize("merge_lora", [True, False])
+def test_same_cache_and_logits_as_chunk_major(decoder: StaticDecoder, merge_lora: bool) -> None:
+    decoder.prefill.merge_lora = merge_lora
+    try:
+        kv_new, new, kv_old, old = prefill_both(decoder, decode_rows())
+    finally:
+        decoder.prefill.merge_lora = True
+    assert_same_cache(kv_new, kv_old)
+    assert torch.equal(new, old)
+    assert decoder.own_prefill
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(9, "kev")] * 6,  # one adapter: every chunk merged, in place
+        [(3, "laya"), (17, "laya"), (6, "laya"), (24, "laya")],
+        [(5, None), (16, None), (2, None)],  # the base model alone
+        [(4, "kev"), (4, "laya")] * 5,  # mixed chunks only
+    ],
+)
+def test_same_cache_and_logits_for_one_adapter_the_base_or_mixed_takes(
+    decoder: StaticDecoder, shapes: list[tuple[int, str | None]]
+) -> None:
+    kv_new, new, kv_old, old = prefill_both(decoder, decode_rows(shapes))
+    assert_same_cache(kv_new, kv_old)
+    assert torch.equal(new, old)
+
+
+@pytest.mark.parametrize("group_tokens", [GROUP_TOKENS, SPLIT_LAYA])
+def test_same_tokens_as_chunk_major(loop: Loop, monkeypatch: pytest.MonkeyPatch, group_tokens: int) -> None:
+    """Decoding after either prefill: the same tokens and log-probabilities (the steps read only the cache and
+    the first logits), the take in one group or in five."""
+    decoder, base = loop.decoder, loop.base
+    monkeypatch.setattr(decoder.prefill, "group_tokens", group_tokens)
+    kw = {"stop_ids": [-1], "pad_id": 0, "select": lambda names: select_adapters(base, names)}
+    rows = decode_rows(max_new=6)
+    new = decoder.decode(rows, **kw)
+    monkeypatch.setattr(decoder.prefill, "own_layers", lambda *args: chunk_major(decoder.prefill, *args))
+    old = decoder.decode(rows, **kw)
+    assert torch.equal(new.tokens, old.tokens)
+    assert torch.equal(new.logprobs, old.logprobs)
+
+
+@pytest.mark.parametrize("group_tokens", [GROUP_TOKENS, SPLIT_LAYA])
+def test_each_layer_is_dequantised_once_per_group_and_merged_without_a_copy_when_it_can(
+    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch, group_tokens: int
+) -> None:
+    """However many chunks a group holds: one `dense()` per layer and group (the whole take in one group by
+    default). Merges: in each group, a copy for every adapter but the last a layer serves, which merges in place
+    (into the dequantised buffers where the loop made them)."""
+    monkeypatch.setattr(decoder.prefill, "group_tokens", group_tokens)
+    dense_calls: list[int] = []
+    merges: list[tuple[str | None, bool]] = []
+    for i, layer in enumerate(decoder.stack.layers):
+        monkeypatch.setattr(layer, "dense", _counting(layer.dense, lambda *a, i=i: dense_calls.append(i)))
+        monkeypatch.setattr(layer, "merge", _counting(layer.merge, lambda d, a, in_place: merges.append((a, in_place))))
+    layers = len(decoder.stack.layers)
+    for shapes, adapters in (
+        (SHAPES, ["kev", "laya"]),
+        ([(9, "kev")] * 6, ["kev"]),
+    ):
+        dense_calls.clear()
+        merges.clear()
+        kv = fresh_kv(decoder, len(shapes), 30)
+        rows = decode_rows(shapes)
+        assert len(decoder.prefill.chunks(rows, 24, 0)) > 1
+        with torch.inference_mode():
+            decoder.prefill.run(kv, rows, width=24, out_rows=len(rows), pad_id=0, select=_no_fallback)
+        groups = decoder.prefill.layer_groups(rows)
+        assert (len(groups) == 1) == (group_tokens == GROUP_TOKENS)
+        assert dense_calls == [i for _ in groups for i in range(layers)]
+        mergeable = bool(decoder.stack.layers[0].qkv.lora)  # fused compute-dtype LoRA: bfloat16 models
+        if mergeable:
+            merged = [merged_adapters(rows, group) for group in groups]
+            assert sorted({a for m in merged for a in m}) == adapters
+            want = [(a, a == m[-1]) for m in merged for _ in range(layers) for a in m]
+            assert merges == want
+        else:
+            assert merges == []
+
+
+def merged_adapters(rows: Sequence[PromptRow], group: list[list[int]]) -> list[str]:
+    """The adapters a group's single-adapter chunks merge, in the order a layer merges them."""
+    alone = [{rows[i].adapter for i in chunk} for chunk in group]
+    return sorted({a for names in alone if len(names) == 1 for a in names if a is not None})
+
+
+def _counting(fn: Any, record: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        record(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+def test_a_merge_in_place_writes_the_dequantised_buffer_and_never_the_models_weights(decoder: StaticDecoder) -> None:
+    """In place and out of place give the same weights bit for bit; in place reuses a buffer the loop
+    dequantised, and leaves a layer's own weights (a plain model's) untouched."""
+    layer = decoder.stack.layers[0]
+    if not layer.qkv.lora:
+        pytest.skip("float32 keeps PEFT's arithmetic: nothing merges")
+    with torch.inference_mode():
+        before = [p.detach().clone() for p in decoder.model.parameters()]
+        copy = layer.merge(layer.dense(), "kev", in_place=False)
+        dense = layer.dense()
+        merged = layer.merge(dense, "kev", in_place=True)
+        after = list(decoder.model.parameters())
+    for a, b in zip(_tensors(copy), _tensors(merged), strict=True):
+        assert torch.equal(a, b)
+    own = layer.qkv.joint is not None and layer.qkv.joint.quant is not None
+    assert (merged[0][0].data_ptr() == dense[0][0].data_ptr()) == own
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)
+
+
+def _tensors(dense: Dense) -> list[torch.Tensor]:
+    qkv, o, gate_up, down = dense
+    return [t for t in (*qkv, o, *gate_up, down) if t is not None]
+
+
+def test_prefill_never_expands_kv_to_the_query_heads(decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SDPA reads the grouped KV heads itself (`enable_gqa`): `repeat_kv` is not called."""
+    assert decoder.stack.groups > 1
+
+    def refused(*args: Any) -> None:
+        raise AssertionError("repeat_kv called")
+
+    monkeypatch.setattr("worker.fastpath.ops.repeat_kv", refused)
+    rows = decode_rows()
+    kv = fresh_kv(decoder, len(rows), 30)
+    with torch.inference_mode():
+        decoder.prefill.run(kv, rows, width=24, out_rows=len(rows), pad_id=0, select=_no_fallback)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_attention_equals_attention_over_repeated_kv(dtype: torch.dtype, monkeypatch) -> None:
+    """Both ways `causal_attention` may run (GQA kernel; K/V repeated where none reads grouped heads)."""
+    torch.manual_seed(0)
+    q = torch.randn(3, 6, 17, 16).to(dtype)
+    k, v = torch.randn(3, 2, 17, 16).to(dtype), torch.randn(3, 2, 17, 16).to(dtype)
+    want = F.scaled_dot_product_attention(q, repeat_kv(k, 3), repeat_kv(v, 3), is_causal=True, scale=0.25)
+    assert torch.equal(causal_attention(q, k, v, scale=0.25), want)
+    monkeypatch.setattr("worker.fastpath.ops.reads_grouped_heads", lambda *args: False)
+    assert torch.equal(causal_attention(q, k, v, scale=0.25), want)
+
+
+def test_chunk_tensors_built_at_once_hold_what_row_by_row_building_gave(decoder: StaticDecoder) -> None:
+    rows = decode_rows()
+    width = 29
+    chunks = decoder.prefill.chunks(rows, width, pad_id=1)
+    groups = reference_groups(rows, decoder.prefill.tokens)
+    assert len(chunks) == len(groups)
+    for got, group in zip(chunks, groups, strict=True):
+        want = reference_chunk(decoder.prefill, rows, group, width, 1)
+        for name in ("ids", "rows", "columns", "last"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        if isinstance(want.where, slice):
+            assert got.where == want.where
+        else:
+            assert torch.equal(got.where, want.where)
+        assert [n for n, _ in got.masks] == [n for n, _ in want.masks]
+        for (_, a), (_, b) in zip(got.masks, want.masks, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_left_pad_built_at_once_pads_each_row_on_the_left() -> None:
+    from worker.fastpath import left_pad
+
+    ids, mask = left_pad([[5, 6, 7], [8], [], [1, 2]], 0, torch.device("cpu"), width=4)
+    assert ids.tolist() == [[0, 5, 6, 7], [0, 0, 0, 8], [0, 0, 0, 0], [0, 0, 1, 2]]
+    assert mask.tolist() == [[0, 1, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 1, 1]]
+    assert left_pad([[4, 3], [2]], 9, torch.device("cpu"))[0].tolist() == [[4, 3], [9, 2]]
+
+
+@pytest.mark.parametrize("group_tokens", [GROUP_TOKENS, SPLIT_LAYA, 1])
+def test_held_bytes_are_the_hidden_states_of_the_largest_group(
+    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch, group_tokens: int
+) -> None:
+    """What the prefill measured it held between layers: two hidden vectors per (padded) token plus ids and
+    cache columns, of the group holding most -- within what `ModelShape.prefill_held_bytes_per_token` plans
+    for a group of `group_tokens` (or one chunk, where a chunk is larger)."""
+    from worker.memory import ModelShape
+
+    monkeypatch.setattr(decoder.prefill, "group_tokens", group_tokens)
+    rows = decode_rows()
+    width = max(len(r.ids) for r in rows)
+    kv = fresh_kv(decoder, len(rows), width + 4)
+    with torch.inference_mode():
+        decoder.prefill.run(kv, rows, width=width, out_rows=len(rows), pad_id=0, select=_no_fallback)
+    s = decoder.stack
+    padded = max(sum(len(c) * len(rows[c[-1]].ids) for c in g) for g in decoder.prefill.layer_groups(rows))
+    if group_tokens == GROUP_TOKENS:  # one group: every chunk
+        assert padded == sum(c.ids.numel() for c in decoder.prefill.chunks(rows, width, 0))
+    assert decoder.prefill.held_bytes == padded * (2 * s.embed.embedding_dim * s.dtype.itemsize + 16)
+    shape = ModelShape.from_dict(decoder.model.config.to_dict())
+    planned = max(group_tokens, decoder.prefill.tokens, width) * shape.prefill_held_bytes_per_token(s.dtype.itemsize)
+    assert decoder.prefill.held_bytes <= planned
+
+
+@pytest.mark.parametrize(
+    ("group_tokens", "sizes"),
+    [
+        (1, [[15], [16], [20], [24], [13], [20], [23]]),  # every chunk alone (each larger than a group)
+        (SPLIT_LAYA, [[15, 16], [20], [24, 13], [20], [23]]),
+        (131, [[15, 16, 20, 24, 13, 20, 23]]),  # exactly everything
+        (GROUP_TOKENS, [[15, 16, 20, 24, 13, 20, 23]]),
+    ],
+)
+def test_groups_are_consecutive_chunks_of_at_most_group_tokens(
+    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch, group_tokens: int, sizes: list[list[int]]
+) -> None:
+    monkeypatch.setattr(decoder.prefill, "group_tokens", group_tokens)
+    rows = decode_rows()
+    groups = decoder.prefill.layer_groups(rows)
+    assert [c for g in groups for c in g] == decoder.prefill.chunk_rows(rows)
+    assert [[len(c) * len(rows[c[-1]].ids) for c in g] for g in groups] == sizes
+
+
+@pytest.mark.parametrize(
+    ("shapes", "group_tokens", "groups"),
+    [
+        (SHAPES, SPLIT_LAYA, 5),  # Laya's own chunks in three groups, mixed chunks beside single-adapter ones
+        (SHAPES, 64, 3),
+        (SHAPES, 1, 7),  # one chunk a group: chunk-major, but for the arithmetic's order
+        (SHAPES, 131, 1),  # one group holding everything, exactly
+        ([(9, "kev")] * 6, 36, 2),  # one adapter: two chunks, then one, each group merging in place
+        ([(4, "kev"), (4, "laya")] * 5, 30, 2),  # mixed chunks only
+    ],
+)
+@pytest.mark.parametrize("merge_lora", [True, False])
+def test_grouped_prefill_same_cache_and_logits_as_chunk_major(
+    decoder: StaticDecoder,
+    monkeypatch: pytest.MonkeyPatch,
+    shapes: list[tuple[int, str | None]],
+    group_tokens: int,
+    groups: int,
+    merge_lora: bool,
+) -> None:
+    """The take in groups of chunks, each group through every layer before the next: the same K/V cache and
+    first-token logits bit for bit as chunk by chunk."""
+    monkeypatch.setattr(decoder.prefill, "group_tokens", group_tokens)
+    monkeypatch.setattr(decoder.prefill, "merge_lora", merge_lora)
+    rows = decode_rows(shapes)
+    assert len(decoder.prefill.layer_groups(rows)) == groups
+    kv_new, new, kv_old, old = prefill_both(decoder, rows)
+    assert_same_cache(kv_new, kv_old)
+    assert torch.equal(new, old)
+    assert decoder.own_prefill
