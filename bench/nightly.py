@@ -320,6 +320,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--paced-take-ms", type=int, default=None, help="the worker's --paced-take-ms (default: its default)"
     )
+    parser.add_argument(
+        "--prefill-group-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens a layer-major prefill group holds (default: the loop's; 1: every chunk alone, "
+        "dequantising each layer per chunk as before groups)",
+    )
     parser.add_argument("--queue-jobs", type=int, default=5000)
     parser.add_argument("--sweep", default="1,8,32,128,256")
     parser.add_argument("--skip", default="", help="comma list of parts to skip: nightly,interactive,seed,queue,sweep")
@@ -355,6 +362,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             decode=args.decode,
             compile_ops=not args.no_compile,
         )
+        if args.prefill_group_tokens is not None:
+            for decoder in engine.decoders.values():
+                decoder.prefill.group_tokens = args.prefill_group_tokens  # read by each take and each plan
         graphs = any(d.use_graphs for d in engine.decoders.values())
         report["decode"] = ("static+graphs" if graphs else "static") if engine.decoders else "HF generate"
         jobs = workload(args.items, args.escalation_rate, tokenizer=tokenizer(engine))
