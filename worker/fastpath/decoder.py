@@ -54,7 +54,7 @@ from worker.fastpath.graphs import (
 )
 from worker.fastpath.logprobs import RowLogprobs
 from worker.fastpath.ops import prefill_attention
-from worker.fastpath.prefill import GROUP_TOKENS, AdapterSelect, Prefill, adapter_mask
+from worker.fastpath.prefill import DEFAULT_GROUP_TOKENS, AdapterSelect, Prefill, adapter_mask
 from worker.fastpath.sampling import Sampling, draw_rows, greedy_choice, token_choice
 from worker.fastpath.scoring import Scored, ScoreRow, score_choices
 from worker.fastpath.weights import Masks, Stack
@@ -153,7 +153,7 @@ class StaticDecoder:
         use_graphs: bool,
         check_every: int = 8,
         prefill_tokens: int = 4096,
-        prefill_group_tokens: int = GROUP_TOKENS,
+        prefill_group_tokens: int = DEFAULT_GROUP_TOKENS,
         fuse_lora: bool = True,
         join_projections: bool = True,
         merge_lora: bool = True,

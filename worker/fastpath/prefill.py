@@ -34,10 +34,15 @@ from worker.fastpath.weights import Dense, Layer, Masks, Stack, is_mixed, only_a
 
 log = logging.getLogger("kevlaya.fastpath")
 
-# The most (padded) prompt tokens whose hidden states the layer-major prefill holds between layers: 8 chunks of
-# the default 4,096 tokens, so each layer is dequantised once per 8 chunks, not per chunk; for a Qwen2.5-1.5B
-# shape in bfloat16 (6,160 bytes a token) ~192 MiB, a fixed cost the planner sets aside (worker/memory.py).
+# A layer-major group of 8 chunks of the default 4,096 tokens: each layer dequantised once per 8 chunks, not per
+# chunk; for a Qwen2.5-1.5B shape in bfloat16 (6,160 bytes a token) ~192 MiB held, a fixed cost the planner
+# sets aside (worker/memory.py).
 GROUP_TOKENS = 32768
+# What the loop runs by default: every chunk its own group (dequantised per chunk). Measured on the H200 under a
+# 6 GiB budget, nightly-2000: prefill 4.7 s and 14.5 s end to end with chunks alone, against 7.0 s and 17.4 s with
+# GROUP_TOKENS -- the held group cost ~16 rows a take (208 against 224) and its prefill ran slower, not faster.
+# Groups stay for where dequantisation dominates (`bench nightly --prefill-group-tokens`).
+DEFAULT_GROUP_TOKENS = 0
 
 AdapterSelect = Callable[[Sequence[str | None]], contextlib.AbstractContextManager[dict[str, Any]]]
 
@@ -196,7 +201,7 @@ class Prefill:
         stack: Stack,
         *,
         tokens: int = 4096,
-        group_tokens: int = GROUP_TOKENS,
+        group_tokens: int = DEFAULT_GROUP_TOKENS,
         merge_lora: bool = True,
     ) -> None:
         self.model = model  # what the fallback calls (the PEFT wrapper, so adapters apply)
