@@ -60,7 +60,8 @@ def setup_logging(level: str) -> None:
     default=3.0,
     show_default=True,
     type=click.FloatRange(min=0),
-    help="Interactive work counts as live this long after one was last seen waiting (bulk takes paced).",
+    help="Interactive work counts as live this long after one was last seen waiting (bulk takes paced). "
+    "0: never paced.",
 )
 @click.option("--max-batch-rows", default=256, show_default=True, help="Upper bound on rows per batch.")
 @click.option("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available).")

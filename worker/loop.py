@@ -90,6 +90,7 @@ class BatchWorker:
         self.bulk_turn = BulkTurn(every=settings.bulk_every_takes)
         self.pace = BulkPace(take_s=settings.paced_take_ms / 1000, window_s=settings.interactive_window_s)
         self._paced = False  # for the log line when pacing starts and stops
+        self._pace_now = time.monotonic()  # the step's one reading of the pacer's clock
         self.presence = Presence(
             redis, self.keys, self.bridge, settings, stop=self._stop, in_flight=self._in_flight_now
         )
@@ -99,7 +100,7 @@ class BatchWorker:
             settings,
             capacity=lambda model: self.engine.capacity(model),
             idle_peers=self.presence.taking,
-            bulk_limit=lambda model, capacity: self.pace.limit(model, capacity, time.time()),
+            bulk_limit=lambda model, capacity: self.pace.limit(model, capacity, self._pace_now),
         )
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -203,18 +204,22 @@ class BatchWorker:
         if self.current_model is not None and ref.model != self.current_model:
             self.stats.switches += 1
         self.current_model = ref.model
-        paced = self._pacing(ref, states, now)
+        self._pace_now = time.monotonic()
+        paced = self._pacing(ref, states)
         taken = self._take(ref, states, suspects=facts[ref].suspect_groups, queued=facts[ref].depth)
         if taken.rows:
-            started = time.time()
+            started = time.monotonic()
             self._run_take(taken)
-            if ref.lane == BULK and not taken.dead:
-                took = TakeTime(rows=len(taken.rows), seconds=time.time() - started)
+            # Only a normal bulk take of this model alone tells what its takes cost (not a suspect group, not a
+            # take topped up with another model's tail).
+            if ref.lane == BULK and taken.allowed and all(r.model == ref.model for r in taken.rows):
+                took = TakeTime(rows=len(taken.rows), seconds=time.monotonic() - started)
                 self.pace.record(ref.model, took, allowed=taken.allowed, paced=paced)
         return True
 
-    def _pacing(self, ref: QueueRef, states: dict[QueueRef, QueueState], now: float) -> bool:
+    def _pacing(self, ref: QueueRef, states: dict[QueueRef, QueueState]) -> bool:
         """Whether this take is a paced bulk take (worker.pace): interactive work waits now or did lately."""
+        now = self._pace_now
         if any(s.depth for r, s in states.items() if r.lane == INTERACTIVE):
             self.pace.saw_interactive(now)
         live = self.pace.live(now)

@@ -8,11 +8,13 @@ last `window_s`. While it is, each bulk take is sized to finish in about `take_s
 with none, takes are full again (a bulk-only run never pays for this).
 
 The size comes from what takes measured, not from a cost model: a take's seconds are roughly fixed costs plus
-a per-row part, and both change with prompt lengths, answer lengths and the card. So the row limit per model
-moves after each paced take by the ratio of the target to the time it took (damped, so one slow take, e.g.
-one that captured a graph, does not halve it), starting from the model's last full take scaled to the target.
-Rows never fall below `min_fraction` of a full take: a batch of a few rows costs nearly what a full one
-does, and bulk would crawl.
+a per-row part, and both change with prompt lengths, answer lengths and the card. Each spell of live
+interactive work starts from the model's last full take scaled to the target; after each paced take the
+estimate moves by the ratio of the target to the time it took (damped, so one slow take -- one that captured
+a graph -- moves it at most 1.4x). The estimate itself is kept unrounded: the limit handed out is rounded to a
+step, and feeding the rounded rows back would stick at a step the damped ratio cannot leave. Rows never fall
+below `min_fraction` of a full take: a batch of a few rows costs nearly what a full one does, and bulk would
+crawl. Times are monotonic seconds (a wall clock stepped back would keep pacing on).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ PACE_STEPS = 8
 
 @dataclass(frozen=True)
 class TakeTime:
-    """One finished bulk take: its rows and the seconds from taking it to its last result written."""
+    """One finished bulk take: its rows and the seconds from its first row run to its last result written."""
 
     rows: int
     seconds: float
@@ -35,43 +37,49 @@ class TakeTime:
 
 @dataclass
 class BulkPace:
-    """Row limits for bulk takes while interactive work is live (`take_s` 0: never paced)."""
+    """Row limits for bulk takes while interactive work is live (`take_s` or `window_s` 0: never paced)."""
 
     take_s: float
     window_s: float
     min_fraction: float = 0.25
-    last_interactive_at: float = -math.inf
-    _limit: dict[str, float] = field(default_factory=dict)  # per model: rows of its next paced take
-    _full: dict[str, TakeTime] = field(default_factory=dict)  # per model: its last unpaced take
+    last_interactive_at: float = field(default=-math.inf, init=False)
+    _estimate: dict[str, float] = field(default_factory=dict, init=False)  # per model: rows making `take_s`
+    _full: dict[str, TakeTime] = field(default_factory=dict, init=False)  # per model: its last full take
 
     def saw_interactive(self, now: float) -> None:
+        if not self.live(now):
+            self._estimate.clear()  # a new spell: start again from the last full take
         self.last_interactive_at = now
 
     def live(self, now: float) -> bool:
-        return self.take_s > 0 and now - self.last_interactive_at <= self.window_s
+        return self.take_s > 0 and self.window_s > 0 and now - self.last_interactive_at <= self.window_s
 
     def limit(self, model: str, capacity: int, now: float) -> int:
         """Rows for this model's next bulk take: `capacity` unless interactive work is live."""
         if not self.live(now):
             return capacity
-        floor = max(1, math.ceil(capacity * self.min_fraction))
-        rows = self._limit.get(model)
+        rows = self._estimate.get(model)
         if rows is None:
             full = self._full.get(model)
-            if full is None or full.seconds <= 0:
+            if full is None:
                 return capacity  # nothing measured yet: this take measures
             rows = full.rows * self.take_s / full.seconds
         step = max(1, capacity // PACE_STEPS)
-        return max(floor, min(capacity, int(rows) // step * step))
+        return max(self._floor(capacity), min(capacity, round(rows / step) * step))
 
     def record(self, model: str, took: TakeTime, *, allowed: int, paced: bool) -> None:
-        """A bulk take of `model` finished: it was allowed `allowed` rows, sized by `limit` while interactive work
-        was live when `paced`. A take the queue's end cut short says little about a full one: not counted."""
-        if took.rows <= 0 or took.seconds <= 0 or took.rows < 0.9 * allowed:
+        """A bulk take of `model` alone finished: it was allowed `allowed` rows (sized by `limit` when `paced`).
+        A take the queue's end (or a peer sharing it) cut short says little about a full one: not counted."""
+        if took.rows <= 0 or took.seconds <= 0 or allowed <= 0 or took.rows < 0.9 * allowed:
             return
         if not paced:
             self._full[model] = took
             return
-        # Damped (square root) and clamped: converges in a few takes, and one outlier moves it at most 1.4x.
         ratio = min(2.0, max(0.5, self.take_s / took.seconds)) ** 0.5
-        self._limit[model] = took.rows * ratio
+        estimate = self._estimate.get(model, float(took.rows)) * ratio
+        # Kept near what a take can be, so a run of fast (or slow) takes does not wind it up past recovery: at most
+        # one damped step above the rows this take was allowed.
+        self._estimate[model] = min(max(estimate, self._floor(allowed)), allowed * 2**0.5)
+
+    def _floor(self, capacity: int) -> int:
+        return max(1, math.ceil(capacity * self.min_fraction))

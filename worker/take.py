@@ -21,12 +21,14 @@ class Take:
 
     rows: list[Row]
     dead: bool = False
-    allowed: int = 0  # the rows this take could have held (its capacity, paced or shared)
+    # A normal take: the rows it could have held (its capacity, paced), before a peer's share of the queue's tail
+    # was taken off; 0 for a suspect group.
+    allowed: int = 0
 
 
 class Taker:
     """Takes jobs for the loop; `capacity(model)` is the engine's rows per batch, `idle_peers()` how many other
-        workers on this Redis are between takes now (the tail of a queue is shared with them: worker.tail), and
+    workers on this Redis are between takes now (the tail of a queue is shared with them: worker.tail), and
     `bulk_limit(model, capacity)` the rows a bulk take may hold now (worker.pace)."""
 
     def __init__(
@@ -65,7 +67,7 @@ class Taker:
             room = limit - len(rows)
             taken = self.bridge.load(self.bridge.take(other, room, ttl_s=ttl))
             rows += [Row(other.model, r, lane=other.lane) for r in taken]
-        return Take(rows, allowed=limit)
+        return Take(rows, allowed=capacity)
 
     def _tail_queues(self, ref: QueueRef, n: int, limit: int, states: dict[QueueRef, QueueState]) -> list[QueueRef]:
         """The same lane of models on the same base whose whole queue fits the rest of this take, once this
