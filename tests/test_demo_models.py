@@ -39,6 +39,9 @@ def test_small_demo_models_build_and_evaluate(tmp_path: Path) -> None:
     figures = orjson.loads((toml.parent / "cascade.json").read_bytes())
     assert figures["threshold"] == config.models["laya"].escalation.threshold
     assert {"fit", "check"} <= set(figures["calibration"])
+    # ... and confirmed both on the second split, at the threshold it wrote.
+    assert figures["check"]["items"] == 12 and figures["check"]["cascade"]["threshold"] == figures["threshold"]
+    assert {"laya", "kev"} <= set(figures["check"])
 
     # `kevlaya calibrate` re-fits from the raw confidences, prints ECE on both splits, writes PNGs and config.
     result = CliRunner().invoke(

@@ -17,7 +17,7 @@ from shared.job import Job
 from tests.conftest import tiny_config
 from worker.config import load_config
 from worker.engine import Engine
-from worker.tools.train import Sample, TrainReport, TrainSettings, encode, rebalance, train_adapter
+from worker.tools.train import Sample, TrainReport, TrainSettings, _set_lr, encode, rebalance, train_adapter
 
 
 def write_data(path: Path, n: int = 24, *, long_every: int = 0) -> Path:
@@ -42,6 +42,18 @@ def test_seed_table_defaults() -> None:
     assert (kev.rank, kev.alpha, kev.lr, laya.rank, laya.alpha, laya.lr) == (16, 32, 1e-4, 8, 16, 2e-4)
     assert (kev.batch_size, kev.grad_accum, kev.max_length, kev.epochs, kev.clip_norm) == (4, 2, 1024, 3.0, 1.0)
     assert kev.lora_init_std <= 0.02
+
+
+def test_lr_decay_runs_linearly_from_the_full_rate_to_one_step_of_it() -> None:
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=1.0)
+    rates = []
+    for step in range(1, 5):
+        _set_lr(optimizer, quick(lr=0.4, lr_decay=True), step, 4)
+        rates.append(optimizer.param_groups[0]["lr"])
+    assert rates == pytest.approx([0.4, 0.3, 0.2, 0.1])
+    _set_lr(optimizer, quick(lr=0.4), 4, 4)  # off (the default): the rate is left as it is
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize(

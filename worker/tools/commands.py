@@ -41,13 +41,14 @@ def demo_command(ctx: click.Context, out: str, items: int) -> None:
 
 @click.command("demo-models")
 @click.option("--out", default=".kevlaya/demo", show_default=True, type=click.Path(file_okay=False))
-def demo_models_command(out: str) -> None:
+@click.option("--seed", default=0, show_default=True, help="Another draw of data and initialisation (0: shipped).")
+def demo_models_command(out: str, seed: int) -> None:
     """Build (or reuse) the demo models -- a tiny base trained on a synthetic loan-triage task, Kev and Laya
     adapters trained with `kevlaya train` -- and write OUT/models.toml (plus train/held-out JSONL)."""
     from worker.tools.demo import prepare_models
 
     setup_logging("info")
-    click.echo(str(prepare_models(Path(out))))
+    click.echo(str(prepare_models(Path(out), seed=seed)))
 
 
 @click.command("train")

@@ -34,9 +34,9 @@ from worker.tools.evaluate import EXPERT, SCREEN
 DEMO_DATA = Path(__file__).resolve().parent.parent / "data" / "demo_decisions.jsonl"
 
 
-def prepare_models(out: Path) -> Path:
+def prepare_models(out: Path, *, seed: int = 0) -> Path:
     """The trained, calibrated demo models and a ready config at OUT/models.toml (cached: built once)."""
-    return build_demo_models(out.resolve())
+    return build_demo_models(out.resolve(), seed=seed)
 
 
 @contextlib.contextmanager
@@ -106,12 +106,27 @@ def cascade_rows(figures: dict) -> list[tuple[str, str]]:
             f"{c['accuracy']:.3f}, escalating {c['escalation_rate']:.1%} "
             f"(threshold {c['threshold']}, picked for a {figures['target']['value']:.0%} budget)",
         ),
+        *_check_rows(figures.get("check")),
         (
             f"{SCREEN} calibration",
             f"ECE {fit['ece_before']:.3f} -> {fit['ece_after']:.3f} on the fitting split, "
             f"{chk['ece_before']:.3f} -> {chk['ece_after']:.3f} on a second split ({chk['items']} cases, "
             f"not fitted on); {cal['method']}{_temperature(cal)}",
         ),
+    ]
+
+
+def _check_rows(check: dict | None) -> list[tuple[str, str]]:
+    """The second held-out split at the same threshold (neither the calibration nor the threshold saw it)."""
+    if not check:
+        return []
+    c = check["cascade"]
+    return [
+        (
+            "second split",
+            f"{SCREEN} {check[SCREEN]['accuracy']:.3f}, {EXPERT} {check[EXPERT]['accuracy']:.3f}, cascade "
+            f"{c['accuracy']:.3f} escalating {c['escalation_rate']:.1%} ({check['items']} cases, same threshold)",
+        )
     ]
 
 

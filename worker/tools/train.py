@@ -54,6 +54,7 @@ class TrainSettings:
     epochs: float = 3.0
     clip_norm: float = 1.0
     lora_init_std: float = 0.02
+    lr_decay: bool = False  # decay the learning rate linearly to 0 over the run (the last steps settle, not jump)
     seed: int = 42
     overlong: str = "drop"  # drop | truncate
     rebalance: bool = True
@@ -233,6 +234,7 @@ def _loop(
                 )
                 bad_in_a_row = 0
             continue
+        _set_lr(optimizer, settings, step, total_steps)
         optimizer.step()
         bad_in_a_row = 0
         norms.append(norm)
@@ -242,6 +244,13 @@ def _loop(
             good = _snapshot(model, optimizer)
         if step % settings.log_every == 0 or step == total_steps:
             log.info("step %d/%d loss %.4f grad-norm %.3f", step, total_steps, step_loss, norm)
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, settings: TrainSettings, step: int, total_steps: int) -> None:
+    """With lr_decay, step s of n runs at lr * (n - s + 1) / n: full at the first step, lr / n at the last."""
+    if settings.lr_decay:
+        for group in optimizer.param_groups:
+            group["lr"] = settings.lr * (total_steps - step + 1) / total_steps
 
 
 def _bad_step_reason(finite: bool, norm: float, norms: list[float], settings: TrainSettings) -> str | None:
