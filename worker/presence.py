@@ -84,15 +84,15 @@ class Presence:
                 self.redis.zrem(idle, name) if busy else self.redis.zadd(idle, {name: time.time()})
 
     def taking(self) -> int:
-        """This worker is about to take: it leaves the idle set (in the same round trip, so a peer deciding now
-        does not count it) and gets how many other live workers are between takes, about to take too
-        (worker.tail). `report(busy=False)` after the batch puts it back."""
+        """This worker is about to take: how many other live workers are between takes, about to take too
+        (worker.tail). It stays in the idle set until `report(busy=True)` once it has rows: leaving the set here, two
+        workers deciding at once would each see the other gone and one would take everything, and a take a peer
+        had emptied would leave it out of the set until its next batch."""
         try:
             with self.redis.pipeline(transaction=False) as pipe:
-                pipe.zrem(self.keys.idle_workers(), self.bridge.worker_name)
                 pipe.zrangebyscore(self.keys.workers(), time.time() - self.settings.worker_ttl_s, "+inf")
                 pipe.zrange(self.keys.idle_workers(), 0, -1)
-                _, live, idle = pipe.execute()
+                live, idle = pipe.execute()
         except redis.exceptions.ResponseError:
             return 0
         return len((set(live) & set(idle)) - {self.bridge.worker_name.encode()})
