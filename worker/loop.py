@@ -98,7 +98,6 @@ class BatchWorker:
             self.bridge,
             config,
             settings,
-            capacity=lambda model: self.engine.capacity(model),
             idle_peers=self.presence.taking,
             bulk_limit=lambda model, capacity: self.pace.limit(model, capacity, self._pace_now),
         )
@@ -241,7 +240,10 @@ class BatchWorker:
         return suspended
 
     def _take(self, ref: QueueRef, states: dict[QueueRef, QueueState], *, suspects: int, queued: int) -> Take:
-        return self.taker.take(ref, states, suspects=suspects, queued=queued)
+        # The step's own look at the capacity (each look re-measures the allocator on a GPU); a queue holding
+        # only suspect groups had none, and looks now.
+        capacity = states[ref].take or self.engine.capacity(ref.model)
+        return self.taker.take(ref, states, capacity=capacity, suspects=suspects, queued=queued)
 
     def _run_take(self, taken: Take) -> None:
         rows = taken.rows

@@ -27,9 +27,9 @@ class Take:
 
 
 class Taker:
-    """Takes jobs for the loop; `capacity(model)` is the engine's rows per batch, `idle_peers()` how many other
-    workers on this Redis are between takes now (the tail of a queue is shared with them: worker.tail), and
-    `bulk_limit(model, capacity)` the rows a bulk take may hold now (worker.pace)."""
+    """Takes jobs for the loop; `idle_peers()` is how many other workers on this Redis are between takes now (the
+    tail of a queue is shared with them: worker.tail), and `bulk_limit(model, capacity)` the rows a bulk take
+    may hold now (worker.pace)."""
 
     def __init__(
         self,
@@ -37,19 +37,21 @@ class Taker:
         config: ModelsConfig,
         settings: WorkerSettings,
         *,
-        capacity: Callable[[str], int],
         idle_peers: Callable[[], int] = lambda: 0,
         bulk_limit: Callable[[str, int], int] = lambda model, capacity: capacity,
     ) -> None:
         self.bridge = bridge
         self.config = config
         self.settings = settings
-        self.capacity = capacity
         self.idle_peers = idle_peers
         self.bulk_limit = bulk_limit
         self.suspect_turn = True  # suspect groups and normal takes alternate: neither waits behind the other
 
-    def take(self, ref: QueueRef, states: dict[QueueRef, QueueState], *, suspects: int, queued: int) -> Take:
+    def take(
+        self, ref: QueueRef, states: dict[QueueRef, QueueState], *, capacity: int, suspects: int, queued: int
+    ) -> Take:
+        """A suspect group, or up to `capacity` rows (the engine's rows per batch for this model, as the loop
+        measured it this step) of this queue, paced when bulk, shared at a queue's tail."""
         self.bridge.begin_batch()
         ttl = self.settings.job_heartbeat_ttl_s
         group = None
@@ -58,7 +60,6 @@ class Taker:
         self.suspect_turn = group is None
         if group is not None:
             return Take([Row(ref.model, r, lane=ref.lane) for r in group.jobs], dead=group.dead)
-        capacity = self.capacity(ref.model)
         if ref.lane == BULK:
             capacity = self.bulk_limit(ref.model, capacity)
         limit = tail_take(capacity, queued, idle_peers=self.idle_peers())
