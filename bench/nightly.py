@@ -324,8 +324,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--prefill-group-tokens",
         type=int,
         default=None,
-        help="prompt tokens a layer-major prefill group holds (default: the loop's; 1: every chunk alone, "
-        "dequantising each layer per chunk as before groups)",
+        help="prompt tokens a layer-major prefill group holds (default: the loop's, 0: every chunk alone, each "
+        "layer dequantised per chunk; 32768: groups of 8 chunks)",
     )
     parser.add_argument("--queue-jobs", type=int, default=5000)
     parser.add_argument("--sweep", default="1,8,32,128,256")

@@ -18,7 +18,8 @@ BATCH_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,256}$")
 
 # Priority lanes, highest first: each model has one RQ queue per lane. `interactive` work is taken first;
-# `bulk` (files, nightly runs) keeps its full batches and is never starved (worker.lanes).
+# `bulk` (files, nightly runs) is never starved (worker.lanes), in full batches unless interactive work is live
+# (worker.pace).
 INTERACTIVE = "interactive"
 BULK = "bulk"
 LANES: tuple[str, ...] = (INTERACTIVE, BULK)
