@@ -206,14 +206,15 @@ class BatchWorker:
         self._pace_now = time.monotonic()
         paced = self._pacing(ref, states)
         taken = self._take(ref, states, suspects=facts[ref].suspect_groups, queued=facts[ref].depth)
-        if taken.rows:
-            started = time.monotonic()
-            self._run_take(taken)
-            # Only a normal bulk take of this model alone tells what its takes cost (not a suspect group, not a
-            # take topped up with another model's tail).
-            if ref.lane == BULK and taken.allowed and all(r.model == ref.model for r in taken.rows):
-                took = TakeTime(rows=len(taken.rows), seconds=time.monotonic() - started)
-                self.pace.record(ref.model, took, allowed=taken.allowed, paced=paced)
+        if not taken.rows:
+            return True
+        started = time.monotonic()
+        self._run_take(taken)
+        # Only a normal bulk take of this model alone tells what its takes cost (not a suspect group, not a take
+        # topped up with another model's tail).
+        if ref.lane == BULK and taken.allowed and all(r.model == ref.model for r in taken.rows):
+            took = TakeTime(rows=len(taken.rows), seconds=time.monotonic() - started)
+            self.pace.record(ref.model, took, allowed=taken.allowed, paced=paced)
         return True
 
     def _pacing(self, ref: QueueRef, states: dict[QueueRef, QueueState]) -> bool:
@@ -242,7 +243,8 @@ class BatchWorker:
     def _take(self, ref: QueueRef, states: dict[QueueRef, QueueState], *, suspects: int, queued: int) -> Take:
         # The step's own look at the capacity (each look re-measures the allocator on a GPU); a queue holding
         # only suspect groups had none, and looks now.
-        capacity = states[ref].take or self.engine.capacity(ref.model)
+        seen = states.get(ref)
+        capacity = seen.take if seen is not None and seen.take else self.engine.capacity(ref.model)
         return self.taker.take(ref, states, capacity=capacity, suspects=suspects, queued=queued)
 
     def _run_take(self, taken: Take) -> None:
