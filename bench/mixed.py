@@ -41,9 +41,13 @@ from bench.common import append_results, save_json, write_config
 from worker.supervisor import WORKER_CMD  # the CLI with the worker command added (the GPU machine runs from source)
 from worker.tools.embedded_redis import EmbeddedRedis
 
+# Prompts tokenize like English through a real tokenizer: Qwen2.5's spends about 1.3 tokens a word. The bench
+# model's tokenizer has 512 entries, so an ordinary word list split into ~3.9 tokens a word (600 prompts of
+# 60-300 words were 417k tokens, not ~140k): these words are one or two of its tokens, 1.28 a word on average
+# (tests/test_bench_prompts.py holds that).
 WORDS = tuple(
-    "loan income debt ratio history clean late payments amount requested category personal car home business "
-    "employer years stable savings collateral guarantor approve reject review risk score policy limit".split()
+    "loan income debt ratio history clean stable approve reject review applicant earns check decision case year "
+    "need information car years debts loans incomes approved lower".split()
 )
 CHOICES = ["approve", "reject", "review"]
 KEVLAYA = [sys.executable, "-c", "import sys; sys.argv[0] = 'kevlaya'; from producer.cli import main; main()"]

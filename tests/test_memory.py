@@ -135,3 +135,64 @@ def test_memory_command_prints_the_seed_table_estimated_on_cpu(tiny_models) -> N
     for row in ("after 4-bit load", "after adapters", "~512 tokens", "~1024 tokens", "batch plan under a 6.00 GiB"):
         assert row in out
     assert "kev" in out and "laya" in out and "KiB/token" in out
+
+
+# Takes of many shapes one after another: (prompt tokens, new tokens). Long and short, growing and shrinking, so
+# the pool the previous take left is sometimes larger than the next take needs and sometimes smaller.
+TAKE_SHAPES = [(200, 32), (1024, 128), (64, 8), (300, 32), (1024, 512), (120, 16), (700, 64), (200, 32), (40, 4)]
+
+
+@pytest.mark.parametrize("budget_gib", [3, 4, 6, 12])
+def test_a_run_of_takes_beside_the_pool_the_last_one_left_never_passes_the_budget(budget_gib: int) -> None:
+    """The static loop keeps its KV pool between takes and reuses it for any take whose cache it holds. Over a
+    run of takes of every shape, each planned from what is resident then (weights plus the pool the previous
+    take left), what each take really holds -- the pool it uses (the old one whole, or a new one of its own rows
+    with the old one freed first), its rows' other costs and the fixed ones -- stays inside the budget; and
+    every take still gets rows (counting the pool and each row's KV both would plan 0). Where no row fits beside
+    the pool, the engine releases it and plans again (`Engine.plan`): so does this run."""
+    shape = ModelShape.from_dict(QWEN_1_5B)
+    weights = shape.weight_bytes(quantized=True, double_quant=True)
+    budget = budget_gib * GIB
+    pool = 0
+    for inputs, new in TAKE_SHAPES * 2:
+        cache = length_bucket(inputs + new)
+        common = dict(
+            budget_bytes=budget, input_tokens=inputs, new_tokens=new, prefill_chunk_tokens=4096, cache_tokens=cache,
+            flash_prefill=True, choice_chunk_rows=32,
+        )  # fmt: skip
+        plan = plan_batch(shape, resident_bytes=weights + pool, kv_pool_bytes=pool, **common)
+        if plan.max_rows == 0:
+            pool = 0
+            plan = plan_batch(shape, resident_bytes=weights, **common)
+        alone = plan_batch(shape, resident_bytes=weights, **common)  # the same take with no pool allocated
+        fixed = alone.free_bytes - (budget - weights - RESERVE_BYTES)  # negative: the prefill chunk and such
+        rows = plan.max_rows
+        assert rows > 0, (inputs, new, pool)
+        kv = rows * cache * shape.kv_bytes_per_token()
+        pool = pool if kv <= pool else kv  # the loop reuses a pool that holds the take, else replaces it
+        held = weights + pool + rows * (plan.bytes_per_row - plan.kv_row_bytes) - fixed
+        assert held <= budget - RESERVE_BYTES, (inputs, new, rows)
+        assert plan.take_bytes(rows) <= plan.free_bytes
+        if rows < 512:  # the most rows that fit: one more would not
+            assert plan.take_bytes(rows + 1) > plan.free_bytes
+
+
+def test_a_take_the_pool_holds_pays_only_its_rows_other_costs() -> None:
+    """Beside a pool for 256 rows, a take of 128 rows of the same cache length costs no KV of its own, one of 300
+    rows replaces the pool (the old one freed first): `take_bytes` says so, and the plan reuses the pool rather
+    than counting it and the rows' KV both."""
+    shape = ModelShape.from_dict(QWEN_1_5B)
+    weights = shape.weight_bytes(quantized=True, double_quant=True)
+    cache = length_bucket(232)
+    pool = 256 * cache * shape.kv_bytes_per_token()
+    common = dict(
+        budget_bytes=6 * GIB, input_tokens=200, new_tokens=32, prefill_chunk_tokens=4096, cache_tokens=cache,
+        flash_prefill=True, choice_chunk_rows=32,
+    )  # fmt: skip
+    plan = plan_batch(shape, resident_bytes=weights + pool, kv_pool_bytes=pool, **common)
+    rest = plan.bytes_per_row - plan.kv_row_bytes
+    assert plan.kv_row_bytes == cache * shape.kv_bytes_per_token()
+    assert plan.take_bytes(128) == 128 * rest
+    assert plan.take_bytes(300) == 300 * plan.bytes_per_row - pool
+    fresh = plan_batch(shape, resident_bytes=weights, **common)
+    assert plan.max_rows == fresh.max_rows  # the pool is this take's size: reusing it is as good as a fresh one

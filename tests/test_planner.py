@@ -98,6 +98,7 @@ def test_the_plan_sets_aside_what_the_layer_major_prefill_holds(
 def test_memory_already_held_is_planned_around(engine: Engine) -> None:
     """What the allocator holds beyond the KV pool (graphs' pool, cached tensors: measured on CUDA) shrinks
     the plan by as much."""
+    engine.loops.release()  # no KV pool left by earlier tests: on CUDA it would be part of the held figure
     engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + ROOM
     try:
         free = engine.plan("kev", input_tokens=64, new_tokens=12)
@@ -158,3 +159,37 @@ def test_an_out_of_memory_error_is_counted_and_logged_loudly(
     assert all(o.error is None for o in outs)
     assert engine.stats().oom == 1  # 4 rows failed once, then split into 2 + 2
     assert "OUT OF MEMORY at 4 rows" in caplog.text and "planning bug" in caplog.text
+
+
+def test_a_pool_that_leaves_no_row_room_is_released_before_the_take(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A take whose cache the KV pool holds reuses the pool, so it is planned beside the whole pool. Where not
+    one row fits beside it (what is held grew since), the engine releases the pool and plans the take on what
+    that leaves, instead of planning a row that would run out of memory. A fake allocator on the CPU: the held
+    figure is the weights plus the pool, as CUDA measures it."""
+    decoder = engine.decoders[engine.config.models["kev"].base]
+    memory = engine.memory
+
+    def refresh() -> None:
+        memory.held_bytes = memory.resident_bytes + decoder.pool.nbytes
+
+    monkeypatch.setattr(memory, "refresh", refresh)
+    memory.total_bytes = memory.resident_bytes + RESERVE_BYTES + ROOM
+    try:
+        engine.loops.release()
+        engine.refresh_memory()
+        fresh = engine.plan("kev", input_tokens=64, new_tokens=12)
+        assert fresh.max_rows > 0 and fresh.kv_pool_bytes == 0
+        length = 128
+        rows = -(-ROOM // decoder.pool.bytes_for(1, length))  # a pool as large as the whole room
+        decoder.pool.views(rows, length)
+        engine.refresh_memory()
+        assert memory.held_bytes == memory.resident_bytes + decoder.pool.nbytes
+        beside = engine.plan("kev", input_tokens=64, new_tokens=12)
+        assert decoder.pool.buffer is None  # released: no row fitted beside it
+        assert beside.kv_pool_bytes == 0 and beside.max_rows == fresh.max_rows
+    finally:
+        memory.total_bytes = None
+        memory.held_bytes = None
+        engine.loops.release()

@@ -121,14 +121,29 @@ class Engine:
         `sampled_rows` of them sampled (their draws need memory of their own)."""
         spec = self.config.models[model]
         decoder = self.decoders.get(spec.base)
-        return self.memory.plan(
-            self.base_for(model),
-            input_tokens=input_tokens or spec.max_input_tokens,
-            new_tokens=spec.max_new_tokens if new_tokens is None else new_tokens,
-            sampled_rows=sampled_rows,
-            max_rows=self.max_batch_rows,
-            decoder=decoder,
-        )
+
+        def plan() -> BatchPlan:
+            return self.memory.plan(
+                self.base_for(model),
+                input_tokens=input_tokens or spec.max_input_tokens,
+                new_tokens=spec.max_new_tokens if new_tokens is None else new_tokens,
+                sampled_rows=sampled_rows,
+                max_rows=self.max_batch_rows,
+                decoder=decoder,
+            )
+
+        planned = plan()
+        if planned.max_rows == 0 and planned.kv_pool_bytes:
+            # Not one row fits beside the pool and graphs as they are (what is held grew since the pool was
+            # sized, or this take needs more per row): a take the pool holds would reuse it and run out of
+            # memory, so the pool and graphs go, and the take is planned on what that leaves.
+            assert decoder is not None
+            pool_mib = planned.kv_pool_bytes // MIB
+            log.info("plan: no %s row fits beside the KV pool (%d MiB); releasing it", model, pool_mib)
+            decoder.release()
+            self.refresh_memory()
+            planned = plan()
+        return planned
 
     def capacity(self, model: str) -> int:
         """How many jobs the worker takes per batch: the plan for typical prompts, or for the longest prompt
@@ -145,15 +160,15 @@ class Engine:
             # An operator's answer to "why this take size": what the budget left and what a row costs.
             log.info(
                 "take for %s: %d rows at prompts up to %d tokens: %d MiB left for rows after %d MiB held "
-                "(weights, graphs' pool, caches; KV pool %d MiB not counted), %.1f MiB per row",
+                "(weights, graphs' pool, caches, a KV pool of %d MiB that takes it holds reuse), %.1f MiB per row",
                 model, plan.max_rows, typical, plan.free_bytes // MIB, self.memory.planned_resident_bytes // MIB,
-                self.loops.pool_bytes // MIB, plan.bytes_per_row / MIB,
+                plan.kv_pool_bytes // MIB, plan.bytes_per_row / MIB,
             )  # fmt: skip
         return max(1, plan.max_rows)
 
     def refresh_memory(self) -> None:
         """The memory the next plans start from, looked at again (see `MemoryBudget.refresh`)."""
-        self.memory.refresh(self.loops.pool_bytes)
+        self.memory.refresh()
 
     def expect(self, job: Job) -> None:
         """A job about to be queued (the worker's longest new follow-up): its prompt length sizes that model's
@@ -219,6 +234,7 @@ class Engine:
                     results = self.guard(fn, chunk)
                 for item, out in zip(chunk, results, strict=True):
                     outputs[item.index] = out
+                self.refresh_memory()  # the next sub-batch is planned beside the pool and graphs this one left
         done = [o if o is not None else RowOutput.failed(INTERNAL, "no output produced") for o in outputs]
         return [self._calibrated(job, out) for job, out in zip(jobs, done, strict=True)]
 

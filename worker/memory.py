@@ -25,6 +25,9 @@ RESERVE_BYTES = 512 * MIB
 # Measured on an H200 capped at 6 GiB (Qwen2.5-1.5B shape, NF4 + LoRA, 192-token prompts): the real peak per
 # row ran up to ~1.3x this model's estimate (LoRA temporaries, float32 upcasts); plan with that margin.
 SAFETY_FACTOR = 1.4
+# A decode graph's own per-row buffers over its cache length (worker/fastpath/graphs.py State): the chosen
+# tokens (int64), their log-probabilities (float32) and the attention mask (bool).
+STATE_BYTES_PER_CACHE_TOKEN = 8 + 4 + 1
 
 
 def parse_bytes(text: str) -> int:
@@ -128,8 +131,30 @@ class ModelShape:
 class BatchPlan:
     max_rows: int
     kv_bytes_per_token: int
-    bytes_per_row: int
-    free_bytes: int
+    bytes_per_row: int  # everything a row costs, its KV cache included
+    free_bytes: int  # what the budget leaves for rows, the KV pool already allocated counted as left
+    kv_row_bytes: int = 0  # the part of `bytes_per_row` that is the row's KV cache (the static loop's pool)
+    kv_pool_bytes: int = 0  # the KV pool already allocated (counted in the resident bytes), reused by a take it holds
+
+    def take_bytes(self, rows: int) -> int:
+        """What a take of `rows` adds to what is resident: rows the allocated KV pool holds reuse it (only their
+        other costs are new); a take it cannot hold replaces it, the old pool freed first."""
+        kv = rows * self.kv_row_bytes
+        return rows * (self.bytes_per_row - self.kv_row_bytes) + max(0, kv - self.kv_pool_bytes)
+
+
+def rows_that_fit(*, free_bytes: int, bytes_per_row: int, kv_row_bytes: int, kv_pool_bytes: int) -> int:
+    """The most rows whose `take_bytes` fits `free_bytes` (it grows with the rows, so the largest of the two
+    cases that holds): rows the allocated pool holds, paying only their other costs, or a take that replaces it."""
+    if free_bytes <= 0 or bytes_per_row <= 0:
+        return 0
+    rest = bytes_per_row - kv_row_bytes
+    new = (free_bytes + kv_pool_bytes) // bytes_per_row
+    if kv_row_bytes <= 0 or kv_pool_bytes <= 0:
+        return new
+    held = kv_pool_bytes // kv_row_bytes
+    reuse = min(held, free_bytes // rest) if rest > 0 else held
+    return max(reuse, new if new > held else 0)
 
 
 def plan_batch(
@@ -148,6 +173,7 @@ def plan_batch(
     reserve_bytes: int = RESERVE_BYTES,
     sampler_slots: int = 0,
     choice_chunk_rows: int | None = None,
+    kv_pool_bytes: int = 0,
 ) -> BatchPlan:
     """The largest number of rows of `input_tokens + new_tokens` that fits in what the budget leaves.
 
@@ -160,7 +186,12 @@ def plan_batch(
     a fixed cost, one group's, not a per-row one.
     `sampler_slots`: the batch's sampled rows, bucketed, each drawing over the vocabulary in every step.
     `choice_chunk_rows`: the static loop's greedy token choice, converting that many rows' logits to float32 at
-    a time (a batch with sampled rows converts them all at once)."""
+    a time (a batch with sampled rows converts them all at once).
+    `kv_pool_bytes`: the static loop's KV pool as already allocated, part of `resident_bytes`. A take whose cache
+    it holds reuses the whole pool (its rows' KV is no new memory, but neither is the rest of the pool free); a
+    larger take replaces it. Planned without the pool, a take of 192 rows beside a 256-row pool ran out of
+    memory on the H200 (~560 MiB unplanned); planned with the pool and each row's KV both, every take after the
+    first was planned at 0 rows."""
     free = budget_bytes - resident_bytes - reserve_bytes
     # Sampled rows draw in a fixed number of slots (not per row of the batch): a fixed cost, with the margin.
     free -= int(sampler_slots * shape.sampling_bytes_per_slot() * SAFETY_FACTOR)
@@ -186,10 +217,21 @@ def plan_batch(
             free -= group * shape.prefill_held_bytes_per_token(dtype_bytes)
         # The loop allocates its cache exactly (rows x cache_tokens), and the float32 first-token logits the
         # prefill hands over: no margin on those, only on the estimated decode temporaries.
-        exact = (cache_tokens or input_tokens + new_tokens) * kv + shape.vocab * 4
+        cache = cache_tokens or input_tokens + new_tokens
+        kv_row = cache * kv
+        exact = kv_row + cache * STATE_BYTES_PER_CACHE_TOKEN + shape.vocab * 4
         chunked = choice_chunk_rows if choice_chunk_rows and not sampler_slots else None
         if chunked:
             free -= int(shape.choice_chunk_bytes(chunked) * SAFETY_FACTOR)
         per_row = exact + int(shape.decode_bytes_per_row(dtype_bytes, choice_chunk_rows=chunked) * SAFETY_FACTOR)
+        fits = rows_that_fit(free_bytes=free, bytes_per_row=per_row, kv_row_bytes=kv_row, kv_pool_bytes=kv_pool_bytes)
+        return BatchPlan(
+            max_rows=min(max_rows_cap, fits),
+            kv_bytes_per_token=kv,
+            bytes_per_row=int(per_row),
+            free_bytes=int(free),
+            kv_row_bytes=kv_row,
+            kv_pool_bytes=kv_pool_bytes,
+        )
     rows = max(0, min(max_rows_cap, free // per_row)) if free > 0 else 0
     return BatchPlan(max_rows=int(rows), kv_bytes_per_token=kv, bytes_per_row=int(per_row), free_bytes=int(free))

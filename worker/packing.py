@@ -4,7 +4,7 @@ should the plan be wrong, survived on an out-of-memory error (retried once with 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -30,14 +30,17 @@ def logprob_draws(rows: int) -> int:
 
 def pack(
     items: list[Item], *, scoring: bool, on_loop: bool, plan: Plan, choice_tokens: Callable[..., int]
-) -> list[list[Item]]:
+) -> Iterator[list[Item]]:
     """Sub-batches that fit the memory plan at their real lengths. Sorted by length first, so rows of
     similar length share a batch and little compute is spent on padding. `on_loop`: scored on the static loop;
-    `choice_tokens(job)`: all of a job's choice tokens."""
+    `choice_tokens(job)`: all of a job's choice tokens.
+
+    A generator: each sub-batch is planned after the one before it ran, so against the KV pool and graphs that
+    one left (a sub-batch planned beside an earlier, smaller pool and then run beside a larger one would
+    reuse memory its plan did not count)."""
     model = items[0].job.model
     on_loop = scoring and on_loop
     ordered = sorted(items, key=lambda it: len(it.ids))
-    chunks: list[list[Item]] = []
     current: list[Item] = []
     span = new = sampled = asking = 0  # the chunk's most choice tokens, most new tokens, sampled and logprob rows
     for item in ordered:
@@ -54,15 +57,14 @@ def pack(
             draws = sampled + (item.job.temperature > 0) + logprob_draws(asking + item.job.logprobs)
             rows = plan(model, input_tokens=longest, new_tokens=max(new, item.max_new), sampled_rows=draws).max_rows
         if current and len(current) + 1 > max(1, rows):
-            chunks.append(current)
+            yield current
             current, span, new, sampled, asking = [], 0, 0, 0, 0
         current.append(item)
         span, new = max(span, item_span), max(new, item.max_new)
         sampled += not scoring and item.job.temperature > 0
         asking += not scoring and item.job.logprobs
     if current:
-        chunks.append(current)
-    return chunks
+        yield current
 
 
 class OomGuard:

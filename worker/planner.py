@@ -8,8 +8,9 @@ cap is set (measured at start, and again after the warm-up has loaded the kernel
 default is the whole GPU minus `DEFAULT_MARGIN_BYTES`.
 
 A take is then planned from what is actually left under the cap: everything the allocator holds counts --
-weights, captured graphs' pools, cached tensors -- except the KV pool, which the next batch reuses (or
-replaces).
+weights, captured graphs' pool, cached tensors, the KV pool. A take whose cache the pool holds reuses it (its
+rows' KV costs nothing new, the rest of the pool is not free either); a larger one replaces it
+(`worker.memory.BatchPlan.take_bytes`).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class MemoryBudget:
         self.device = device
         self.total_bytes = total_bytes  # the whole process (CUDA default: the GPU's total minus a margin)
         self.outside_allocator_bytes = 0  # CUDA: context, kernels, workspaces (measured)
-        self.held_bytes: int | None = None  # CUDA: what the allocator holds beyond the KV pools, at the last look
+        self.held_bytes: int | None = None  # CUDA: what the allocator holds (KV pools included), at the last look
         self.resident_bytes = 0  # the loaded models (see `count_resident`)
 
     def start(self) -> None:
@@ -144,12 +145,12 @@ class MemoryBudget:
             cap // MIB,
         )  # fmt: skip
 
-    def refresh(self, kv_pool_bytes: int) -> None:
+    def refresh(self) -> None:
         """Look again at what the allocator holds (CUDA), so the next plans count what is resident now: weights,
-        captured graphs' pool, anything cached -- but not the KV pools, which the next batch reuses or replaces."""
+        captured graphs' pool, the KV pools, anything cached."""
         if self.device.type != "cuda":
             return
-        self.held_bytes = held_bytes(self.device) - kv_pool_bytes
+        self.held_bytes = held_bytes(self.device)
         # Kernels for new shapes (flash attention, cuBLAS) load into the context as batches come: the measured
         # H200 process grew past the budget by 10 MiB with the cap set only at start and after the warm-up.
         outside = measure(self.device).outside_allocator_bytes
@@ -182,6 +183,8 @@ class MemoryBudget:
         """How many rows of `input_tokens` + `new_tokens` fit what is left of the budget, `sampled_rows` of them
         sampled (their draws need memory of their own), on the base's static loop (`decoder`) or HF's path."""
         decoder = decoder if new_tokens > 0 else None
+        # The pool is part of the held figure only where that was measured (CUDA); elsewhere nothing counts it.
+        pool_bytes = decoder.pool.nbytes if decoder is not None and self.held_bytes is not None else 0
         plan = plan_batch(
             base.shape,
             budget_bytes=self.plannable_bytes,
@@ -198,6 +201,7 @@ class MemoryBudget:
             prefill_group_tokens=decoder.prefill_group_tokens if decoder is not None and decoder.own_prefill else None,
             sampler_slots=sampler_slots(sampled_rows) if decoder else 0,
             choice_chunk_rows=CHOICE_CHUNK_ROWS if decoder else None,
+            kv_pool_bytes=pool_bytes,
         )
         if decoder is None or plan.max_rows in ROW_BUCKETS:
             return plan

@@ -81,10 +81,6 @@ class StaticLoops:
     def captures(self) -> int:
         return sum(d.captures for d in self.decoders.values())
 
-    @property
-    def pool_bytes(self) -> int:
-        return sum(d.pool.nbytes for d in self.decoders.values())
-
 
 def static_decoder(
     name: str, base: LoadedBase, *, decode: str, device: torch.device, compile_ops: bool
