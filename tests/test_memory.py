@@ -143,34 +143,41 @@ TAKE_SHAPES = [(200, 32), (1024, 128), (64, 8), (300, 32), (1024, 512), (120, 16
 
 
 @pytest.mark.parametrize("budget_gib", [3, 4, 6, 12])
-def test_a_run_of_takes_beside_the_pool_the_last_one_left_never_passes_the_budget(budget_gib: int) -> None:
-    """The static loop keeps its KV pool between takes and reuses it for any take whose cache it holds. Over a
-    run of takes of every shape, each planned from what is resident then (weights plus the pool the previous
-    take left), what each take really holds -- the pool it uses (the old one whole, or a new one of its own rows
-    with the old one freed first), its rows' other costs and the fixed ones -- stays inside the budget; and
-    every take still gets rows (counting the pool and each row's KV both would plan 0). Where no row fits beside
-    the pool, the engine releases it and plans again (`Engine.plan`): so does this run."""
+def test_a_run_of_takes_beside_the_pool_and_graphs_the_last_ones_left_never_passes_the_budget(budget_gib: int) -> None:
+    """The static loop keeps its KV pool between takes and reuses it for any take whose cache it holds; its
+    captured graphs keep a shared pool holding a decode step's temporaries for the most rows captured. Over a
+    run of takes of every shape, each planned from what is resident then (weights, the KV pool and the graphs'
+    pool the previous takes left), what each take really holds stays inside the budget: the KV pool it uses
+    (the old one whole, or a new one of its own rows with the old one and the graphs freed first), the graphs'
+    pool (grown to its rows if more), its rows' other costs and the fixed ones. And every take still gets rows
+    (counting the pool and each row's KV both would plan 0). Where no row fits beside the pool, the engine
+    releases it and plans again (`Engine.plan`): so does this run."""
     shape = ModelShape.from_dict(QWEN_1_5B)
     weights = shape.weight_bytes(quantized=True, double_quant=True)
     budget = budget_gib * GIB
-    pool = 0
+    pool = graph_rows = 0
     for inputs, new in TAKE_SHAPES * 2:
         cache = length_bucket(inputs + new)
         common = dict(
             budget_bytes=budget, input_tokens=inputs, new_tokens=new, prefill_chunk_tokens=4096, cache_tokens=cache,
             flash_prefill=True, choice_chunk_rows=32,
         )  # fmt: skip
-        plan = plan_batch(shape, resident_bytes=weights + pool, kv_pool_bytes=pool, **common)
+        alone = plan_batch(shape, resident_bytes=weights, **common)  # the same take with nothing allocated
+        step = alone.decode_row_bytes
+        resident = weights + pool + graph_rows * step
+        plan = plan_batch(shape, resident_bytes=resident, kv_pool_bytes=pool, graph_rows=graph_rows, **common)
         if plan.max_rows == 0:
-            pool = 0
-            plan = plan_batch(shape, resident_bytes=weights, **common)
-        alone = plan_batch(shape, resident_bytes=weights, **common)  # the same take with no pool allocated
+            pool = graph_rows = 0
+            plan = alone
         fixed = alone.free_bytes - (budget - weights - RESERVE_BYTES)  # negative: the prefill chunk and such
         rows = plan.max_rows
         assert rows > 0, (inputs, new, pool)
         kv = rows * cache * shape.kv_bytes_per_token()
-        pool = pool if kv <= pool else kv  # the loop reuses a pool that holds the take, else replaces it
-        held = weights + pool + rows * (plan.bytes_per_row - plan.kv_row_bytes) - fixed
+        if kv > pool:  # the loop replaces a pool that cannot hold the take, releasing the graphs with it
+            pool, graph_rows = kv, 0
+        graph_rows = max(graph_rows, rows)
+        other = rows * (plan.bytes_per_row - plan.kv_row_bytes - plan.decode_row_bytes)
+        held = weights + pool + graph_rows * step + other - fixed
         assert held <= budget - RESERVE_BYTES, (inputs, new, rows)
         assert plan.take_bytes(rows) <= plan.free_bytes
         if rows < 512:  # the most rows that fit: one more would not
@@ -196,3 +203,21 @@ def test_a_take_the_pool_holds_pays_only_its_rows_other_costs() -> None:
     assert plan.take_bytes(300) == 300 * plan.bytes_per_row - pool
     fresh = plan_batch(shape, resident_bytes=weights, **common)
     assert plan.max_rows == fresh.max_rows  # the pool is this take's size: reusing it is as good as a fresh one
+
+
+def test_a_step_the_graphs_pool_already_holds_is_not_planned_again() -> None:
+    """With decode graphs of 256 rows captured, their shared pool holds a step's temporaries for 256 rows: a take
+    of 128 rows pays none, one of 300 rows pays for the 44 rows past them; the plan gets rows by as much."""
+    shape = ModelShape.from_dict(QWEN_1_5B)
+    weights = shape.weight_bytes(quantized=True, double_quant=True)
+    common = dict(
+        budget_bytes=6 * GIB, input_tokens=200, new_tokens=32, prefill_chunk_tokens=4096,
+        cache_tokens=length_bucket(232), flash_prefill=True, choice_chunk_rows=32,
+    )  # fmt: skip
+    plain = plan_batch(shape, resident_bytes=weights, **common)
+    graphs = plan_batch(shape, resident_bytes=weights, graph_rows=256, **common)
+    step = graphs.decode_row_bytes
+    assert step > 0
+    assert graphs.take_bytes(128) == plain.take_bytes(128) - 128 * step
+    assert graphs.take_bytes(300) == plain.take_bytes(300) - 256 * step
+    assert graphs.max_rows > plain.max_rows

@@ -167,7 +167,8 @@ def test_a_pool_that_leaves_no_row_room_is_released_before_the_take(
     """A take whose cache the KV pool holds reuses the pool, so it is planned beside the whole pool. Where not
     one row fits beside it (what is held grew since), the engine releases the pool and plans the take on what
     that leaves, instead of planning a row that would run out of memory. A fake allocator on the CPU: the held
-    figure is the weights plus the pool, as CUDA measures it."""
+    figure is the weights plus the pool, as CUDA measures it. Sizing a take (`may_release=False`) only looks:
+    it plans as though the pool were released, and leaves it."""
     decoder = engine.decoders[engine.config.models["kev"].base]
     memory = engine.memory
 
@@ -186,6 +187,8 @@ def test_a_pool_that_leaves_no_row_room_is_released_before_the_take(
         decoder.pool.views(rows, length)
         engine.refresh_memory()
         assert memory.held_bytes == memory.resident_bytes + decoder.pool.nbytes
+        look = engine.plan("kev", input_tokens=64, new_tokens=12, may_release=False)  # sizing a take: a look only
+        assert decoder.pool.buffer is not None and look.max_rows == fresh.max_rows
         beside = engine.plan("kev", input_tokens=64, new_tokens=12)
         assert decoder.pool.buffer is None  # released: no row fitted beside it
         assert beside.kv_pool_bytes == 0 and beside.max_rows == fresh.max_rows

@@ -151,7 +151,7 @@ def chunk_major(prefill: Prefill, kv: KV, rows: Sequence[PromptRow], width: int,
             attn = out.transpose(1, 2).reshape(count, span, s.heads * s.head_dim)
             h, x = s.rest(layer, h, attn, masks, s.next_norm(i), dense)
         last = x[torch.arange(count, device=s.device), c.last]
-        logits[c.where] = s.head(last).float()
+        logits[c.where] = s.head(last)
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ def prefill_both(loop: StaticDecoder, rows: Sequence[DecodeRow]) -> tuple[KV, to
     kv_new, kv_old = fresh_kv(loop, len(rows), width + 4), fresh_kv(loop, len(rows), width + 4)
     with torch.inference_mode():
         new = loop.prefill.run(kv_new, rows, width=width, out_rows=len(rows), pad_id=0, select=_no_fallback)
-        old = torch.zeros(len(rows), vocab)
+        old = torch.zeros(len(rows), vocab, dtype=loop.stack.dtype)
         chunk_major(loop.prefill, kv_old, rows, width, 0, old)
     return kv_new, new, kv_old, old
 

@@ -10,6 +10,7 @@ import torch
 from bench.fastpath import TokenRecorder
 from shared.job import Job
 from tests.conftest import tiny_config
+from worker.fastpath.decoder import MIN_SAMPLER_SLOTS
 from worker.fastpath.sampling import Sampling, SamplingState, sample, uniform
 
 PROMPTS = ["Approve a loan of 12000?", "Income 52000, debt low.", "不确定的情况", "x", "Step 1: check income " * 7]
@@ -50,8 +51,8 @@ def test_a_seeded_row_draws_the_same_tokens_alone_and_in_any_batch(static: Token
         assert static.tokens["s"] == want
         assert {j.custom_id: static.tokens[j.custom_id] for j in plain} == greedy_tokens
     decoder = next(iter(static.decoders.values()))
-    # Ran in the loop, not HF generate: 4 sampled rows of 10 drew in 4 sampler slots.
-    assert any(key.samplers == 4 and key.filtered for key in decoder.graphs.entries)
+    # Ran in the loop, not HF generate: 4 sampled rows of 10 drew in the fewest sampler slots a graph has.
+    assert any(key.samplers == MIN_SAMPLER_SLOTS and key.filtered for key in decoder.graphs.entries)
 
 
 def test_seeds_and_cuts_change_the_draw_as_they_should(static: TokenRecorder) -> None:

@@ -115,14 +115,25 @@ class Engine:
         return self.bases[self.config.models[model].base]
 
     def plan(
-        self, model: str, *, input_tokens: int | None = None, new_tokens: int | None = None, sampled_rows: int = 0
+        self,
+        model: str,
+        *,
+        input_tokens: int | None = None,
+        new_tokens: int | None = None,
+        sampled_rows: int = 0,
+        may_release: bool = True,
     ) -> BatchPlan:
         """How many rows of this model fit the memory budget (default: its full input and output limits), with
-        `sampled_rows` of them sampled (their draws need memory of their own)."""
+        `sampled_rows` of them sampled (their draws need memory of their own).
+
+        Where not one row fits beside the loop's KV pool and graphs as they are (what is held grew since the pool
+        was sized, or this take needs more per row), a take the pool holds would reuse it and run out of memory:
+        the pool and graphs are released and the take planned on what that leaves -- or, with `may_release`
+        False (sizing a take, not running one), planned as though they were."""
         spec = self.config.models[model]
         decoder = self.decoders.get(spec.base)
 
-        def plan() -> BatchPlan:
+        def plan(released: bool = False) -> BatchPlan:
             return self.memory.plan(
                 self.base_for(model),
                 input_tokens=input_tokens or spec.max_input_tokens,
@@ -130,20 +141,19 @@ class Engine:
                 sampled_rows=sampled_rows,
                 max_rows=self.max_batch_rows,
                 decoder=decoder,
+                released=released,
             )
 
         planned = plan()
-        if planned.max_rows == 0 and planned.kv_pool_bytes:
-            # Not one row fits beside the pool and graphs as they are (what is held grew since the pool was
-            # sized, or this take needs more per row): a take the pool holds would reuse it and run out of
-            # memory, so the pool and graphs go, and the take is planned on what that leaves.
-            assert decoder is not None
-            pool_mib = planned.kv_pool_bytes // MIB
-            log.info("plan: no %s row fits beside the KV pool (%d MiB); releasing it", model, pool_mib)
-            decoder.release()
-            self.refresh_memory()
-            planned = plan()
-        return planned
+        if planned.max_rows or not planned.kv_pool_bytes:
+            return planned
+        if not may_release:
+            return plan(released=True)
+        assert decoder is not None
+        log.info("plan: no %s row fits beside the KV pool (%d MiB); releasing it", model, planned.kv_pool_bytes // MIB)
+        decoder.release()
+        self.refresh_memory()
+        return plan()
 
     def capacity(self, model: str) -> int:
         """How many jobs the worker takes per batch: the plan for typical prompts, or for the longest prompt
@@ -154,7 +164,7 @@ class Engine:
         typical = min(self.config.models[model].max_input_tokens, seen)
         self.loops.drop_idle(GRAPH_IDLE_S, min_rows=GRAPH_DROP_ROWS)
         self.refresh_memory()
-        plan = self.plan(model, input_tokens=typical)
+        plan = self.plan(model, input_tokens=typical, may_release=False)  # a look: the take may be the other model's
         if self._logged_takes.get(model) != (plan.max_rows, typical):
             self._logged_takes[model] = (plan.max_rows, typical)
             # An operator's answer to "why this take size": what the budget left and what a row costs.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shared.errors import ConfigError
@@ -131,30 +131,33 @@ class ModelShape:
 class BatchPlan:
     max_rows: int
     kv_bytes_per_token: int
-    bytes_per_row: int  # everything a row costs, its KV cache included
+    bytes_per_row: int  # everything a row costs, its KV cache and decode temporaries included
     free_bytes: int  # what the budget leaves for rows, the KV pool already allocated counted as left
     kv_row_bytes: int = 0  # the part of `bytes_per_row` that is the row's KV cache (the static loop's pool)
     kv_pool_bytes: int = 0  # the KV pool already allocated (counted in the resident bytes), reused by a take it holds
+    decode_row_bytes: int = 0  # the part of `bytes_per_row` a decode step's temporaries take (the graphs' pool)
+    graph_rows: int = 0  # the most rows of a captured decode graph: its step's temporaries are resident already
 
     def take_bytes(self, rows: int) -> int:
-        """What a take of `rows` adds to what is resident: rows the allocated KV pool holds reuse it (only their
-        other costs are new); a take it cannot hold replaces it, the old pool freed first."""
+        """What a take of `rows` adds to what is resident. Rows the allocated KV pool holds reuse it (their KV is
+        no new memory); a take it cannot hold replaces it, the old pool freed first. A decode step's
+        temporaries live in the captured graphs' shared pool, which already holds a step of `graph_rows` rows:
+        only rows past that need more."""
         kv = rows * self.kv_row_bytes
-        return rows * (self.bytes_per_row - self.kv_row_bytes) + max(0, kv - self.kv_pool_bytes)
+        other = self.bytes_per_row - self.kv_row_bytes - self.decode_row_bytes
+        return rows * other + max(0, rows - self.graph_rows) * self.decode_row_bytes + max(0, kv - self.kv_pool_bytes)
 
 
-def rows_that_fit(*, free_bytes: int, bytes_per_row: int, kv_row_bytes: int, kv_pool_bytes: int) -> int:
-    """The most rows whose `take_bytes` fits `free_bytes` (it grows with the rows, so the largest of the two
-    cases that holds): rows the allocated pool holds, paying only their other costs, or a take that replaces it."""
-    if free_bytes <= 0 or bytes_per_row <= 0:
-        return 0
-    rest = bytes_per_row - kv_row_bytes
-    new = (free_bytes + kv_pool_bytes) // bytes_per_row
-    if kv_row_bytes <= 0 or kv_pool_bytes <= 0:
-        return new
-    held = kv_pool_bytes // kv_row_bytes
-    reuse = min(held, free_bytes // rest) if rest > 0 else held
-    return max(reuse, new if new > held else 0)
+def most_rows(plan: BatchPlan, cap: int) -> int:
+    """The most rows, up to `cap`, whose `take_bytes` fits the plan's free bytes (it grows with the rows)."""
+    low, high = 0, max(0, cap)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if plan.take_bytes(mid) <= plan.free_bytes:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def plan_batch(
@@ -174,6 +177,7 @@ def plan_batch(
     sampler_slots: int = 0,
     choice_chunk_rows: int | None = None,
     kv_pool_bytes: int = 0,
+    graph_rows: int = 0,
 ) -> BatchPlan:
     """The largest number of rows of `input_tokens + new_tokens` that fits in what the budget leaves.
 
@@ -191,7 +195,10 @@ def plan_batch(
     it holds reuses the whole pool (its rows' KV is no new memory, but neither is the rest of the pool free); a
     larger take replaces it. Planned without the pool, a take of 192 rows beside a 256-row pool ran out of
     memory on the H200 (~560 MiB unplanned); planned with the pool and each row's KV both, every take after the
-    first was planned at 0 rows."""
+    first was planned at 0 rows.
+    `graph_rows`: the most rows of a decode graph already captured. The graphs share one memory pool, part of
+    `resident_bytes`, that holds a step's temporaries for that many rows: counted again per row, they cut
+    takes beside a large pool to a third (64 rows where 156 fit, on the H200)."""
     free = budget_bytes - resident_bytes - reserve_bytes
     # Sampled rows draw in a fixed number of slots (not per row of the batch): a fixed cost, with the margin.
     free -= int(sampler_slots * shape.sampling_bytes_per_slot() * SAFETY_FACTOR)
@@ -219,19 +226,21 @@ def plan_batch(
         # prefill hands over: no margin on those, only on the estimated decode temporaries.
         cache = cache_tokens or input_tokens + new_tokens
         kv_row = cache * kv
-        exact = kv_row + cache * STATE_BYTES_PER_CACHE_TOKEN + shape.vocab * 4
+        exact = kv_row + cache * STATE_BYTES_PER_CACHE_TOKEN + shape.vocab * dtype_bytes
         chunked = choice_chunk_rows if choice_chunk_rows and not sampler_slots else None
         if chunked:
             free -= int(shape.choice_chunk_bytes(chunked) * SAFETY_FACTOR)
-        per_row = exact + int(shape.decode_bytes_per_row(dtype_bytes, choice_chunk_rows=chunked) * SAFETY_FACTOR)
-        fits = rows_that_fit(free_bytes=free, bytes_per_row=per_row, kv_row_bytes=kv_row, kv_pool_bytes=kv_pool_bytes)
-        return BatchPlan(
-            max_rows=min(max_rows_cap, fits),
+        decode_row = int(shape.decode_bytes_per_row(dtype_bytes, choice_chunk_rows=chunked) * SAFETY_FACTOR)
+        plan = BatchPlan(
+            max_rows=0,
             kv_bytes_per_token=kv,
-            bytes_per_row=int(per_row),
+            bytes_per_row=exact + decode_row,
             free_bytes=int(free),
             kv_row_bytes=kv_row,
             kv_pool_bytes=kv_pool_bytes,
+            decode_row_bytes=decode_row,
+            graph_rows=graph_rows,
         )
+        return replace(plan, max_rows=most_rows(plan, max_rows_cap))
     rows = max(0, min(max_rows_cap, free // per_row)) if free > 0 else 0
     return BatchPlan(max_rows=int(rows), kv_bytes_per_token=kv, bytes_per_row=int(per_row), free_bytes=int(free))

@@ -179,16 +179,23 @@ class MemoryBudget:
         sampled_rows: int,
         max_rows: int,
         decoder: StaticDecoder | None,
+        released: bool = False,
     ) -> BatchPlan:
         """How many rows of `input_tokens` + `new_tokens` fit what is left of the budget, `sampled_rows` of them
-        sampled (their draws need memory of their own), on the base's static loop (`decoder`) or HF's path."""
+        sampled (their draws need memory of their own), on the base's static loop (`decoder`) or HF's path.
+        `released`: as though the loop's KV pool and graphs were released first (the graphs' memory, not
+        measured apart, still counted)."""
         decoder = decoder if new_tokens > 0 else None
-        # The pool is part of the held figure only where that was measured (CUDA); elsewhere nothing counts it.
-        pool_bytes = decoder.pool.nbytes if decoder is not None and self.held_bytes is not None else 0
+        # The KV pool and the graphs' pool are part of the held figure only where that was measured (CUDA).
+        measured = decoder is not None and self.held_bytes is not None
+        pool_bytes = decoder.pool.nbytes if measured else 0
+        graph_rows = decoder.graph_rows if measured and not released else 0
+        resident = self.planned_resident_bytes - (pool_bytes if released else 0)
+        pool_bytes = 0 if released else pool_bytes
         plan = plan_batch(
             base.shape,
             budget_bytes=self.plannable_bytes,
-            resident_bytes=self.planned_resident_bytes,
+            resident_bytes=resident,
             reserve_bytes=self.reserve_bytes,
             input_tokens=input_tokens,
             new_tokens=new_tokens,
@@ -202,6 +209,7 @@ class MemoryBudget:
             sampler_slots=sampler_slots(sampled_rows) if decoder else 0,
             choice_chunk_rows=CHOICE_CHUNK_ROWS if decoder else None,
             kv_pool_bytes=pool_bytes,
+            graph_rows=graph_rows,
         )
         if decoder is None or plan.max_rows in ROW_BUCKETS:
             return plan

@@ -64,10 +64,16 @@ log = logging.getLogger("kevlaya.fastpath")
 ARCHITECTURES = ("qwen2", "llama", "mistral")
 
 
+# Sampled rows per take vary from take to take (5% of 160 rows is 4 to 12), and every slot count was a graph
+# of its own: 9 captures where the all-greedy run took 3 (H200). A slot's draw is one row's work over the
+# vocabulary, so a few idle slots cost little.
+MIN_SAMPLER_SLOTS = 8
+
+
 def sampler_slots(sampled: int) -> int:
-    """Sampler slots for a batch with this many sampled rows (0 for none): bucketed like rows, so a few
-    graphs serve every mix."""
-    return row_bucket(sampled) if sampled else 0
+    """Sampler slots for a batch with this many sampled rows (0 for none): at least `MIN_SAMPLER_SLOTS`, bucketed
+    like rows above that, so a few graphs serve every mix."""
+    return max(MIN_SAMPLER_SLOTS, row_bucket(sampled)) if sampled else 0
 
 
 @dataclass(frozen=True)
@@ -193,6 +199,12 @@ class StaticDecoder:
         return self.graphs.captures
 
     # ---- memory ------------------------------------------------------------------------------
+    @property
+    def graph_rows(self) -> int:
+        """The most rows of a captured graph (0 without graphs): the graphs' shared pool holds a decode step's
+        temporaries for that many rows, which a smaller graph's capture reuses."""
+        return max((key.rows for key, e in self.graphs.entries.items() if e.graph is not None), default=0)
+
     def _kv_views(self, rows: int, length: int) -> KV:
         """The pool's views for rows x length; growing the pool moves it, so every captured graph goes first."""
         if not self.pool.fits(rows, length):
@@ -297,7 +309,7 @@ class StaticDecoder:
             ends=Ends(end_id=stop_ids[0], pad_id=pad_id, stops=tuple(sorted(set(stop_ids)))),
             samplers=sampler_slots(sum(r.sampling is not None for r in rows)),
             filtered=any(r.sampling is not None and r.sampling.filtered for r in rows),
-            logprob_slots=sampler_slots(len(asking)),
+            logprob_slots=row_bucket(len(asking)) if asking else 0,  # bucketed as rows (planned per row: packing)
         )
         started = time.perf_counter()
         state, replay = self._entry(key)

@@ -164,6 +164,9 @@ class GraphCache:
         # lengths otherwise captured a graph for every 64-token length bucket (29 captures in 81 s on the H200).
         self.length_slack = 1.25 if use_graphs else 1.0
         self.captures = 0  # graphs captured so far (a benchmark figure)
+        # One side stream for every capture, as `torch.cuda.graph` keeps one: cuBLAS keeps a workspace per
+        # (handle, stream) for the life of the process, so a stream per capture leaked one workspace each.
+        self._stream: torch.cuda.Stream | None = None
 
     def reusable(self, key: GraphKey, fits: Callable[[int, int], bool]) -> GraphKey:
         """An already captured graph's key that can serve this batch instead of a new capture: the same key but
@@ -225,7 +228,9 @@ class GraphCache:
         capturing is raised as `torch.OutOfMemoryError` (the engine splits the batch on it)."""
         # Warm up on a side stream first (lazy cuBLAS/bnb initialisation must not happen inside a capture);
         # the warm-up writes garbage into the state, which every batch overwrites before replaying.
-        stream = torch.cuda.Stream(self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from worker.fastpath.graphs import KV
 from worker.fastpath.prefill import row_masks, to_device
+from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
 from worker.fastpath.weights import Stack
 
 LOGIT_ROWS = 256  # positions per LM-head slice: (slice, vocab) float32 logits and their log-softmax at a time
@@ -97,6 +98,21 @@ def layout(rows: Sequence[ScoreRow], width: int, span: int, device: torch.device
     )
 
 
+def first_token_logprobs(first_logits: torch.Tensor, rows: Sequence[ScoreRow]) -> list[float]:
+    """Each choice's first token's log-probability after its row's prompt, in the rows' choice order: the
+    logits' log-softmax in float32, `CHOICE_CHUNK_ROWS` rows at a time (as the greedy choice converts them), so a
+    take of hundreds of rows never holds a float32 copy of all its logits. Row-wise, so no number changes."""
+    device = first_logits.device
+    parts: list[torch.Tensor] = []
+    for start in range(0, len(rows), CHOICE_CHUNK_ROWS):
+        part = rows[start : start + CHOICE_CHUNK_ROWS]
+        logp = first_logits[start : start + len(part)].float().log_softmax(dim=-1)
+        heads = torch.tensor([c[0] for row in part for c in row.choices], dtype=torch.long)
+        which = torch.tensor([r for r, row in enumerate(part) for _ in row.choices], dtype=torch.long)
+        parts.append(logp[to_device(which, device), to_device(heads, device)])
+    return torch.cat(parts).double().cpu().tolist() if parts else []
+
+
 def score_choices(
     stack: Stack,
     kv: KV,
@@ -108,14 +124,10 @@ def score_choices(
     merge_lora: bool,
 ) -> Scored:
     """Each row's choices scored after its prompt, whose K/V `kv` already holds (prefilled, ending in column
-    `width - 1`); `first_logits` (rows, vocab) float32 are the prefill's logits after each prompt."""
-    device = stack.device
+    `width - 1`); `first_logits` (rows, vocab) are the prefill's logits after each prompt (compute dtype)."""
     sums = [[0.0] * len(row.choices) for row in rows]
     bad = [False] * len(rows)
-    first = first_logits[: len(rows)].log_softmax(dim=-1)
-    heads = torch.tensor([c[0] for row in rows for c in row.choices], dtype=torch.long)
-    which = torch.tensor([r for r, row in enumerate(rows) for _ in row.choices], dtype=torch.long)
-    first_lp = first[to_device(which, device), to_device(heads, device)].double().cpu().tolist()
+    first_lp = first_token_logprobs(first_logits, rows)
     k = 0
     for r, row in enumerate(rows):
         for c in range(len(row.choices)):
