@@ -21,9 +21,11 @@ from worker.fastpath.sampling import SamplingState
 
 log = logging.getLogger("kevlaya.fastpath")
 
-# Rows are padded up to one of these, so a handful of graphs serve every batch size. Steps of 16 from 64 to
-# 256: the memory plan is rounded down to one, and a take cut at 192 where 214 fit cost a whole extra batch.
-ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, *range(64, 257, 16), 288, 320, 352, 384, 448, 512)
+# Rows are padded up to one of these, so a handful of graphs serve every batch size. The memory plan is rounded
+# down to one, so coarse steps cost whole batches: a take cut at 192 where 214 fit cost an extra batch, and 200
+# Kev prompts at the 1,024-token limit, 74 of which fit, ran as 64 + 64 + 64 + 8 (four 128-step decodes) where
+# steps of 8 below 128 make it 72 + 72 + 56. Steps of 16 from 128 to 256 (6% or less of a take).
+ROW_BUCKETS = (1, 2, 4, 8, *range(16, 128, 8), *range(128, 257, 16), 288, 320, 352, 384, 448, 512)
 LENGTH_QUANTUM = 64  # cache lengths are multiples of this (aligned SDPA masks, few distinct graphs)
 MAX_GRAPHS = 12  # captured graphs kept (least recently used dropped); each pins its static buffers
 
