@@ -161,14 +161,18 @@ def test_an_out_of_memory_error_is_counted_and_logged_loudly(
     assert "OUT OF MEMORY at 4 rows" in caplog.text and "planning bug" in caplog.text
 
 
-def test_a_pool_that_leaves_no_row_room_is_released_before_the_take(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("pool_share", [1.0, 0.8, 0.2])
+def test_a_pool_that_leaves_few_rows_room_is_released_before_the_take(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, pool_share: float
 ) -> None:
-    """A take whose cache the KV pool holds reuses the pool, so it is planned beside the whole pool. Where not
-    one row fits beside it (what is held grew since), the engine releases the pool and plans the take on what
-    that leaves, instead of planning a row that would run out of memory. A fake allocator on the CPU: the held
-    figure is the weights plus the pool, as CUDA measures it. Sizing a take (`may_release=False`) only looks:
-    it plans as though the pool were released, and leaves it."""
+    """A take whose cache the KV pool holds reuses the pool, so it is planned beside the whole pool. Where that
+    leaves no row (what is held grew since), or far fewer rows than releasing it would (a pool sized for other
+    lengths), the engine releases the pool and plans the take on what that leaves; a pool that costs the take
+    little stays. A fake allocator on the CPU: the held figure is the weights plus the pool, as CUDA measures
+    it. Sizing a take (`may_release=False`) only looks: it plans as though the pool were released, and leaves
+    it."""
+    from worker.engine import RELEASE_GAIN
+
     decoder = engine.decoders[engine.config.models["kev"].base]
     memory = engine.memory
 
@@ -182,16 +186,22 @@ def test_a_pool_that_leaves_no_row_room_is_released_before_the_take(
         engine.refresh_memory()
         fresh = engine.plan("kev", input_tokens=64, new_tokens=12)
         assert fresh.max_rows > 0 and fresh.kv_pool_bytes == 0
-        length = 128
-        rows = -(-ROOM // decoder.pool.bytes_for(1, length))  # a pool as large as the whole room
+        length = 1024  # longer than the take's cache: the pool holds its rows, at a cost to the room beside it
+        rows = max(1, int(ROOM * pool_share) // decoder.pool.bytes_for(1, length))
         decoder.pool.views(rows, length)
         engine.refresh_memory()
         assert memory.held_bytes == memory.resident_bytes + decoder.pool.nbytes
+        base = engine.base_for("kev")
+        common = dict(input_tokens=64, new_tokens=12, sampled_rows=0, max_rows=engine.max_batch_rows, decoder=decoder)
+        kept = memory.plan(base, **common)  # beside the pool, as it is
+        released = kept.max_rows * RELEASE_GAIN < fresh.max_rows
+        assert released == (pool_share > 0.5)  # the cases say what they test
         look = engine.plan("kev", input_tokens=64, new_tokens=12, may_release=False)  # sizing a take: a look only
-        assert decoder.pool.buffer is not None and look.max_rows == fresh.max_rows
-        beside = engine.plan("kev", input_tokens=64, new_tokens=12)
-        assert decoder.pool.buffer is None  # released: no row fitted beside it
-        assert beside.kv_pool_bytes == 0 and beside.max_rows == fresh.max_rows
+        assert decoder.pool.buffer is not None
+        assert look.max_rows == (fresh.max_rows if released else kept.max_rows)
+        planned = engine.plan("kev", input_tokens=64, new_tokens=12)
+        assert (decoder.pool.buffer is None) == released
+        assert planned.max_rows == (fresh.max_rows if released else kept.max_rows)
     finally:
         memory.total_bytes = None
         memory.held_bytes = None

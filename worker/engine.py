@@ -36,6 +36,9 @@ from worker.scoring import ChoiceTokens, score_eager, score_static
 from worker.static import DECODE_MODES, StaticLoops, generate_static, warm_up
 
 log = logging.getLogger("kevlaya.engine")
+# A take is planned without the KV pool and graphs the loop holds (they are released, and the graphs captured
+# again, ~0.2-0.5 s each on the H200) where that plans more than this many times the rows planned beside them.
+RELEASE_GAIN = 1.25
 
 TYPICAL_INPUT_TOKENS = 256  # sizes the worker's take; real lengths size the engine's sub-batches
 # Decode graphs of at least GRAPH_DROP_ROWS rows unused this long are dropped before a take is planned: their
@@ -126,10 +129,11 @@ class Engine:
         """How many rows of this model fit the memory budget (default: its full input and output limits), with
         `sampled_rows` of them sampled (their draws need memory of their own).
 
-        Where not one row fits beside the loop's KV pool and graphs as they are (what is held grew since the pool
-        was sized, or this take needs more per row), a take the pool holds would reuse it and run out of memory:
-        the pool and graphs are released and the take planned on what that leaves -- or, with `may_release`
-        False (sizing a take, not running one), planned as though they were."""
+        A take the loop's KV pool holds reuses it, so it is planned beside the pool and graphs as they are. Where
+        releasing them would plan more than `RELEASE_GAIN` times the rows (a pool sized for another model's
+        lengths: 200 long Kev prompts left one that held Laya's next takes to 88-96 rows where 240 fit; or not
+        one row fits beside it), they are released and the take planned on what that leaves -- or, with
+        `may_release` False (sizing a take, not running one), planned as though they were."""
         spec = self.config.models[model]
         decoder = self.decoders.get(spec.base)
 
@@ -145,12 +149,18 @@ class Engine:
             )
 
         planned = plan()
-        if planned.max_rows or not planned.kv_pool_bytes:
+        if not planned.kv_pool_bytes:
+            return planned
+        fresh = plan(released=True)
+        if fresh.max_rows <= planned.max_rows * RELEASE_GAIN:
             return planned
         if not may_release:
-            return plan(released=True)
+            return fresh
         assert decoder is not None
-        log.info("plan: no %s row fits beside the KV pool (%d MiB); releasing it", model, planned.kv_pool_bytes // MIB)
+        log.info(
+            "plan: %d %s rows fit beside the KV pool (%d MiB), %d without it; releasing it",
+            planned.max_rows, model, planned.kv_pool_bytes // MIB, fresh.max_rows,
+        )  # fmt: skip
         decoder.release()
         self.refresh_memory()
         return plan()
