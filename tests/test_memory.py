@@ -185,24 +185,28 @@ def test_a_run_of_takes_beside_the_pool_and_graphs_the_last_ones_left_never_pass
 
 
 def test_a_take_the_pool_holds_pays_only_its_rows_other_costs() -> None:
-    """Beside a pool for 256 rows, a take of 128 rows of the same cache length costs no KV of its own, one of 300
-    rows replaces the pool (the old one freed first): `take_bytes` says so, and the plan reuses the pool rather
-    than counting it and the rows' KV both."""
+    """A pool a long take left (its rows x 1,024 tokens) holds many more rows of short prompts than fit beside it.
+    A short take reuses it: its rows' KV costs nothing new (`take_bytes`), so it plans the most rows whose other
+    costs fit what the pool leaves -- far more than counting the pool and each row's KV both would -- and still
+    fewer than a take without the pool (the engine weighs releasing it: `Engine.plan`). A take the pool cannot
+    hold replaces it, the old pool freed first."""
     shape = ModelShape.from_dict(QWEN_1_5B)
     weights = shape.weight_bytes(quantized=True, double_quant=True)
-    cache = length_bucket(232)
-    pool = 256 * cache * shape.kv_bytes_per_token()
-    common = dict(
-        budget_bytes=6 * GIB, input_tokens=200, new_tokens=32, prefill_chunk_tokens=4096, cache_tokens=cache,
-        flash_prefill=True, choice_chunk_rows=32,
-    )  # fmt: skip
-    plan = plan_batch(shape, resident_bytes=weights + pool, kv_pool_bytes=pool, **common)
+    common = dict(budget_bytes=6 * GIB, prefill_chunk_tokens=4096, flash_prefill=True, choice_chunk_rows=32)
+    long = plan_batch(shape, resident_bytes=weights, input_tokens=900, new_tokens=100, cache_tokens=1024, **common)
+    pool = long.max_rows * 1024 * shape.kv_bytes_per_token()
+    short = dict(input_tokens=100, new_tokens=20, cache_tokens=128, **common)
+    plan = plan_batch(shape, resident_bytes=weights + pool, kv_pool_bytes=pool, **short)
     rest = plan.bytes_per_row - plan.kv_row_bytes
-    assert plan.kv_row_bytes == cache * shape.kv_bytes_per_token()
-    assert plan.take_bytes(128) == 128 * rest
-    assert plan.take_bytes(300) == 300 * plan.bytes_per_row - pool
-    fresh = plan_batch(shape, resident_bytes=weights, **common)
-    assert plan.max_rows == fresh.max_rows  # the pool is this take's size: reusing it is as good as a fresh one
+    held_rows = pool // plan.kv_row_bytes
+    assert plan.kv_row_bytes == 128 * shape.kv_bytes_per_token()
+    assert plan.take_bytes(100) == 100 * rest  # held by the pool: no KV of its own
+    assert plan.take_bytes(held_rows + 1) == (held_rows + 1) * plan.bytes_per_row - pool  # replaces the pool
+    assert 0 < plan.max_rows <= held_rows  # a reusing take
+    assert plan.take_bytes(plan.max_rows) <= plan.free_bytes < plan.take_bytes(plan.max_rows + 1)
+    assert plan.max_rows > 2 * max(0, plan.free_bytes // plan.bytes_per_row)  # not the pool and each row's KV both
+    fresh = plan_batch(shape, resident_bytes=weights, **short)
+    assert plan.max_rows < fresh.max_rows
 
 
 def test_a_step_the_graphs_pool_already_holds_is_not_planned_again() -> None:
@@ -221,3 +225,23 @@ def test_a_step_the_graphs_pool_already_holds_is_not_planned_again() -> None:
     assert graphs.take_bytes(128) == plain.take_bytes(128) - 128 * step
     assert graphs.take_bytes(300) == plain.take_bytes(300) - 256 * step
     assert graphs.max_rows > plain.max_rows
+
+
+def test_a_take_with_sampled_rows_gets_no_credit_from_greedy_graphs() -> None:
+    """A greedy graph's pool holds bf16 logits and one float32 chunk; a sampled step needs float32 logits of every
+    row and more, and the first token's draw runs outside any graph over every row in float32. So a sampled take
+    is planned whole whatever graphs exist, and pays the first draw's float32 work per row."""
+    shape = ModelShape.from_dict(QWEN_1_5B)
+    weights = shape.weight_bytes(quantized=True, double_quant=True)
+    common = dict(
+        budget_bytes=6 * GIB, resident_bytes=weights, input_tokens=1000, new_tokens=24, prefill_chunk_tokens=4096,
+        cache_tokens=1024, flash_prefill=True, choice_chunk_rows=32,
+    )  # fmt: skip
+    sampled = plan_batch(shape, sampler_slots=8, **common)
+    beside_graphs = plan_batch(shape, sampler_slots=8, graph_rows=256, **common)
+    assert beside_graphs.max_rows == sampled.max_rows
+    assert beside_graphs.take_bytes(64) == sampled.take_bytes(64)
+    greedy = plan_batch(shape, **common)
+    assert sampled.decode_row_bytes > greedy.decode_row_bytes  # a sampled step's temporaries, every row in float32
+    first_draw = sampled.bytes_per_row - greedy.bytes_per_row - (sampled.decode_row_bytes - greedy.decode_row_bytes)
+    assert first_draw == shape.vocab * (4 + 4 + 1)  # float32 logits, their log-softmax, finiteness flags

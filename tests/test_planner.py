@@ -168,9 +168,9 @@ def test_a_pool_that_leaves_few_rows_room_is_released_before_the_take(
     """A take whose cache the KV pool holds reuses the pool, so it is planned beside the whole pool. Where that
     leaves no row (what is held grew since), or far fewer rows than releasing it would (a pool sized for other
     lengths), the engine releases the pool and plans the take on what that leaves; a pool that costs the take
-    little stays. A fake allocator on the CPU: the held figure is the weights plus the pool, as CUDA measures
-    it. Sizing a take (`may_release=False`) only looks: it plans as though the pool were released, and leaves
-    it."""
+    little stays, and so does one that leaves room for the rows there are. A fake allocator on the CPU: the
+    held figure is the weights plus the pool, as CUDA measures it. Sizing a take (`may_release=False`) only
+    looks: it plans as though the pool were released, and leaves it."""
     from worker.engine import RELEASE_GAIN
 
     decoder = engine.decoders[engine.config.models["kev"].base]
@@ -196,6 +196,9 @@ def test_a_pool_that_leaves_few_rows_room_is_released_before_the_take(
         kept = memory.plan(base, **common)  # beside the pool, as it is
         released = kept.max_rows * RELEASE_GAIN < fresh.max_rows
         assert released == (pool_share > 0.5)  # the cases say what they test
+        if kept.max_rows:  # a sub-batch of no more rows than fit beside the pool keeps it
+            enough = engine.plan("kev", input_tokens=64, new_tokens=12, rows_wanted=kept.max_rows)
+            assert decoder.pool.buffer is not None and enough.max_rows == kept.max_rows
         look = engine.plan("kev", input_tokens=64, new_tokens=12, may_release=False)  # sizing a take: a look only
         assert decoder.pool.buffer is not None
         assert look.max_rows == (fresh.max_rows if released else kept.max_rows)

@@ -170,7 +170,7 @@ def prefill_both(loop: StaticDecoder, rows: Sequence[DecodeRow]) -> tuple[KV, to
     kv_new, kv_old = fresh_kv(loop, len(rows), width + 4), fresh_kv(loop, len(rows), width + 4)
     with torch.inference_mode():
         new = loop.prefill.run(kv_new, rows, width=width, out_rows=len(rows), pad_id=0, select=_no_fallback)
-        old = torch.zeros(len(rows), vocab, dtype=loop.stack.dtype)
+        old = torch.zeros(len(rows), vocab, dtype=loop.stack.head.weight.dtype)
         chunk_major(loop.prefill, kv_old, rows, width, 0, old)
     return kv_new, new, kv_old, old
 

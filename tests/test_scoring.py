@@ -104,3 +104,22 @@ def test_a_generated_decision_is_read_as_the_label_it_names() -> None:
     assert as_label(RowOutput(decision=" needs review"), labels).decision == "Needs Review"
     assert as_label(RowOutput(decision="maybe"), labels).decision == "maybe"  # names none: left as written
     assert as_label(RowOutput(decision=None), labels).decision is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_token_logprobs_are_the_same_in_chunks_of_any_size(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """The first choice tokens' log-probabilities are taken a chunk of rows at a time (no float32 copy of a whole
+    take's logits): across chunk boundaries, with rows of different choice counts, they equal one log-softmax of
+    every row's logits in float32."""
+    from worker.fastpath import scoring
+
+    generator = torch.Generator().manual_seed(3)
+    logits = (torch.randn(7, 50, generator=generator) * 4).to(dtype)
+    rows = [ScoreRow(ids=[1], choices=tuple((c % 50 + r, 2) for c in range(1 + r % 3)), adapter=None) for r in range(7)]
+    whole = logits.float().log_softmax(dim=-1)
+    want = [whole[r, c[0]].item() for r, row in enumerate(rows) for c in row.choices]
+    for chunk in (1, 2, 3, 32):
+        monkeypatch.setattr(scoring, "CHOICE_CHUNK_ROWS", chunk)
+        assert scoring.first_token_logprobs(logits, rows) == want

@@ -125,6 +125,7 @@ class Engine:
         new_tokens: int | None = None,
         sampled_rows: int = 0,
         may_release: bool = True,
+        rows_wanted: int | None = None,
     ) -> BatchPlan:
         """How many rows of this model fit the memory budget (default: its full input and output limits), with
         `sampled_rows` of them sampled (their draws need memory of their own).
@@ -133,7 +134,8 @@ class Engine:
         releasing them would plan more than `RELEASE_GAIN` times the rows (a pool sized for another model's
         lengths: 200 long Kev prompts left one that held Laya's next takes to 88-96 rows where 240 fit; or not
         one row fits beside it), they are released and the take planned on what that leaves -- or, with
-        `may_release` False (sizing a take, not running one), planned as though they were."""
+        `may_release` False (sizing a take, not running one), planned as though they were. Not where the pool
+        leaves room for the `rows_wanted` rows there are: releasing would cost captures and gain nothing."""
         spec = self.config.models[model]
         decoder = self.decoders.get(spec.base)
 
@@ -149,7 +151,7 @@ class Engine:
             )
 
         planned = plan()
-        if not planned.kv_pool_bytes:
+        if not planned.kv_pool_bytes or (rows_wanted is not None and planned.max_rows >= rows_wanted):
             return planned
         fresh = plan(released=True)
         if fresh.max_rows <= planned.max_rows * RELEASE_GAIN:

@@ -28,6 +28,9 @@ SAFETY_FACTOR = 1.4
 # A decode graph's own per-row buffers over its cache length (worker/fastpath/graphs.py State): the chosen
 # tokens (int64), their log-probabilities (float32) and the attention mask (bool).
 STATE_BYTES_PER_CACHE_TOKEN = 8 + 4 + 1
+# The first token's choice for a take with sampled or logprob rows, per row and vocabulary entry: the logits'
+# float32 copy, their log-softmax and the finiteness flags.
+FIRST_CHOICE_BYTES_PER_VOCAB = 4 + 4 + 1
 
 
 def parse_bytes(text: str) -> int:
@@ -178,6 +181,7 @@ def plan_batch(
     choice_chunk_rows: int | None = None,
     kv_pool_bytes: int = 0,
     graph_rows: int = 0,
+    graph_row_slack: float = 1.0,
 ) -> BatchPlan:
     """The largest number of rows of `input_tokens + new_tokens` that fits in what the budget leaves.
 
@@ -197,8 +201,11 @@ def plan_batch(
     memory on the H200 (~560 MiB unplanned); planned with the pool and each row's KV both, every take after the
     first was planned at 0 rows.
     `graph_rows`: the most rows of a decode graph already captured. The graphs share one memory pool, part of
-    `resident_bytes`, that holds a step's temporaries for that many rows: counted again per row, they cut
-    takes beside a large pool to a third (64 rows where 156 fit, on the H200)."""
+    `resident_bytes`, that holds a greedy step's temporaries for that many rows: counted again per row, they cut
+    takes beside a large pool to a third (64 rows where 156 fit, on the H200). A take with sampled or logprob
+    rows gets no such credit (its step needs more than a greedy graph's pool holds).
+    `graph_row_slack`: a captured graph of up to this many times a take's rows may serve it (its extra rows
+    idle along, their first-token logits allocated too)."""
     free = budget_bytes - resident_bytes - reserve_bytes
     # Sampled rows draw in a fixed number of slots (not per row of the batch): a fixed cost, with the margin.
     free -= int(sampler_slots * shape.sampling_bytes_per_slot() * SAFETY_FACTOR)
@@ -222,14 +229,21 @@ def plan_batch(
             # or a single prompt longer than that). They live beside the cache and the decode graphs' pool.
             group = max(prefill_group_tokens, prefill_chunk_tokens, input_tokens)
             free -= group * shape.prefill_held_bytes_per_token(dtype_bytes)
-        # The loop allocates its cache exactly (rows x cache_tokens), and the float32 first-token logits the
-        # prefill hands over: no margin on those, only on the estimated decode temporaries.
+        # The loop allocates its cache exactly (rows x cache_tokens), and the first-token logits the prefill
+        # hands over in the compute dtype -- for the rows of the graph that serves the take, up to
+        # `graph_row_slack` x its own: no margin on those, only on the estimated decode temporaries.
         cache = cache_tokens or input_tokens + new_tokens
         kv_row = cache * kv
-        exact = kv_row + cache * STATE_BYTES_PER_CACHE_TOKEN + shape.vocab * dtype_bytes
+        exact = kv_row + cache * STATE_BYTES_PER_CACHE_TOKEN + int(shape.vocab * dtype_bytes * graph_row_slack)
         chunked = choice_chunk_rows if choice_chunk_rows and not sampler_slots else None
         if chunked:
             free -= int(shape.choice_chunk_bytes(chunked) * SAFETY_FACTOR)
+        else:
+            # The first token is chosen outside the graph, over every row's logits at once in float32 (a copy,
+            # its log-softmax, finiteness flags), beside the graph's own temporaries.
+            exact += shape.vocab * FIRST_CHOICE_BYTES_PER_VOCAB
+            # A greedy graph's pool holds bf16 logits and one float32 chunk, far less than a sampled step needs.
+            graph_rows = 0
         decode_row = int(shape.decode_bytes_per_row(dtype_bytes, choice_chunk_rows=chunked) * SAFETY_FACTOR)
         plan = BatchPlan(
             max_rows=0,

@@ -14,7 +14,7 @@ from worker.outputs import RowOutput
 from worker.rows import Item
 
 log = logging.getLogger("kevlaya.engine")
-Plan = Callable[..., BatchPlan]  # Engine.plan(model, *, input_tokens, new_tokens, sampled_rows)
+Plan = Callable[..., BatchPlan]  # Engine.plan(model, *, input_tokens, new_tokens, sampled_rows, rows_wanted)
 
 
 # A logprob slot (worker/fastpath/logprobs.py) holds its row's log-softmax and top-k's workspace, about 2 fp32
@@ -43,19 +43,22 @@ def pack(
     ordered = sorted(items, key=lambda it: len(it.ids))
     current: list[Item] = []
     span = new = sampled = asking = 0  # the chunk's most choice tokens, most new tokens, sampled and logprob rows
-    for item in ordered:
+    for index, item in enumerate(ordered):
         longest = len(item.ids)  # ascending order: the newcomer is the longest in the chunk
+        wanted = len(current) + len(ordered) - index  # the rows this sub-batch could still take
         item_span = choice_tokens(item.job) if on_loop else 0
         if on_loop:
             # The loop scores a row's choices after its prompt, in the KV pool: planned as a row of the
             # prompt plus all its choices' tokens (the prompt once, not once per choice).
-            rows = plan(model, input_tokens=longest, new_tokens=max(span, item_span)).max_rows
+            rows = plan(model, input_tokens=longest, new_tokens=max(span, item_span), rows_wanted=wanted).max_rows
         elif scoring:
             per_item = max(1, len(item.job.choices or ()))
             rows = plan(model, input_tokens=longest + 8, new_tokens=0).max_rows // per_item
         else:
             draws = sampled + (item.job.temperature > 0) + logprob_draws(asking + item.job.logprobs)
-            rows = plan(model, input_tokens=longest, new_tokens=max(new, item.max_new), sampled_rows=draws).max_rows
+            rows = plan(
+                model, input_tokens=longest, new_tokens=max(new, item.max_new), sampled_rows=draws, rows_wanted=wanted
+            ).max_rows
         if current and len(current) + 1 > max(1, rows):
             yield current
             current, span, new, sampled, asking = [], 0, 0, 0, 0

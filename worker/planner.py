@@ -188,10 +188,10 @@ class MemoryBudget:
         decoder = decoder if new_tokens > 0 else None
         # The KV pool and the graphs' pool are part of the held figure only where that was measured (CUDA).
         measured = decoder is not None and self.held_bytes is not None
-        pool_bytes = decoder.pool.nbytes if measured else 0
+        held_pool_bytes = decoder.pool.nbytes if measured else 0
         graph_rows = decoder.graph_rows if measured and not released else 0
-        resident = self.planned_resident_bytes - (pool_bytes if released else 0)
-        pool_bytes = 0 if released else pool_bytes
+        resident = self.planned_resident_bytes - (held_pool_bytes if released else 0)
+        pool_bytes = 0 if released else held_pool_bytes
         plan = plan_batch(
             base.shape,
             budget_bytes=self.plannable_bytes,
@@ -210,6 +210,7 @@ class MemoryBudget:
             choice_chunk_rows=CHOICE_CHUNK_ROWS if decoder else None,
             kv_pool_bytes=pool_bytes,
             graph_rows=graph_rows,
+            graph_row_slack=decoder.graphs.reuse_slack if decoder else 1.0,
         )
         if decoder is None or plan.max_rows in ROW_BUCKETS:
             return plan

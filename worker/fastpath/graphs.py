@@ -28,6 +28,7 @@ log = logging.getLogger("kevlaya.fastpath")
 ROW_BUCKETS = (1, 2, 4, 8, *range(16, 128, 8), *range(128, 257, 16), 288, 320, 352, 384, 448, 512)
 LENGTH_QUANTUM = 64  # cache lengths are multiples of this (aligned SDPA masks, few distinct graphs)
 MAX_GRAPHS = 12  # captured graphs kept (least recently used dropped); each pins its static buffers
+ROW_SLACK = 1.5  # a captured graph of up to this many times a batch's rows serves it (see `GraphCache.reusable`)
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values), each (rows, kv_heads, length, head_dim)
 
@@ -161,7 +162,7 @@ class GraphCache:
         self.used_at: dict[GraphKey, float] = {}  # monotonic seconds of each entry's last use
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         # A captured graph of up to this many times a batch's rows serves it (no graphs, nothing to save).
-        self.reuse_slack = 1.5 if use_graphs else 1.0
+        self.reuse_slack = ROW_SLACK if use_graphs else 1.0
         # A captured graph of up to this many times a batch's cache length serves it. A stream of prompts of many
         # lengths otherwise captured a graph for every 64-token length bucket (29 captures in 81 s on the H200).
         self.length_slack = 1.25 if use_graphs else 1.0

@@ -193,7 +193,7 @@ class Passes:
 
 
 class Prefill:
-    """Prompts into a static cache; `run` returns each row's first-token logits (in the compute dtype)."""
+    """Prompts into a static cache; `run` returns each row's first-token logits (in the LM head's dtype)."""
 
     def __init__(
         self,
@@ -227,11 +227,12 @@ class Prefill:
         select: AdapterSelect,
     ) -> torch.Tensor:
         """The prompts' K/V into `kv` (each row's prompt ending in column `width - 1`); returns the first tokens'
-        logits (out_rows, vocab) in the compute dtype, as the LM head made them (rows past `len(rows)` stay zero):
+        logits (out_rows, vocab) in the LM head's dtype, as the head made them (rows past `len(rows)` stay zero):
         the token choice converts them to float32 a chunk of rows at a time, as it does the decode steps' (a
         float32 copy of a 256-row take's logits is ~155 MiB at Qwen's vocabulary)."""
         stack = self.stack
-        logits = torch.zeros(out_rows, stack.head.out_features, dtype=stack.dtype, device=stack.device)
+        head = stack.head.weight.dtype  # the LM head's own dtype: an untied float32 head keeps its precision
+        logits = torch.zeros(out_rows, stack.head.out_features, dtype=head, device=stack.device)
         if self.own:
             try:
                 with prefill_attention(stack.device):
