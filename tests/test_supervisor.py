@@ -4,6 +4,7 @@ here are cheap fake processes (worker.supervisor.WORKER_CMD swapped): no model, 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 from click.testing import CliRunner
 from redis import Redis
@@ -20,11 +22,13 @@ from redis import Redis
 from producer.cli import cli
 from producer.client import Client
 from shared.errors import ConfigError
+from shared.keys import Keys, QueueRef
 from tests.fakes import FakeEngine
 from tests.worker_helpers import wait_until
 from worker import supervisor
 from worker.cli import worker_command
 from worker.loop import BatchWorker
+from worker.rqcompat import RQBridge
 from worker.settings import WorkerSettings
 from worker.supervisor import ChildSpec, Supervisor, SupervisorSettings, parse_gpus
 from worker.tail import tail_take
@@ -212,6 +216,73 @@ def test_children_die_with_a_killed_parent(tmp_path: Path, fake_child: Path) -> 
 )
 def test_tail_take(capacity: int, depth: int, idle_peers: int, take: int) -> None:
     assert tail_take(capacity, depth, idle_peers=idle_peers) == take
+
+
+LAYA = QueueRef("laya")
+
+
+def _presence(redis: Redis, *, idle: list[str], live: list[str], stale: tuple[str, ...] = ()) -> None:
+    """The live set (heartbeats) and the idle set as workers leave them; `stale` ones are idle with an old beat."""
+    keys, now = Keys(), time.time()
+    redis.delete(keys.workers(), keys.idle_workers())
+    redis.zadd(keys.workers(), {name: now for name in live} | {name: now - 3600 for name in stale})
+    if idle or stale:
+        redis.zadd(keys.idle_workers(), {name: now for name in [*idle, *stale]})
+
+
+def _queue(redis: Redis, bridge: RQBridge, depth: int) -> None:
+    redis.delete(bridge.queues[LAYA].key, bridge.started[LAYA].key)
+    if depth:
+        redis.rpush(bridge.queues[LAYA].key, *[f"j{i}" for i in range(depth)])
+
+
+def test_the_take_script_shares_as_tail_take_does(redis: Redis) -> None:
+    """The take script's share (Lua) is worker.tail's rule, over a grid; peers count when idle and live, never this
+    worker itself, a busy one or one whose heartbeat is stale; a take that got rows leaves the idle set."""
+    bridge = RQBridge(redis, Keys(), ["laya"], "me")
+    depths = [*range(34), 99, 100, 101, 255, 256, 257, 511, 512, 513, 767, 768, 769, 1024, 1025]
+    for capacity, depth, idle_peers in itertools.product((0, 1, 2, 3, 5, 16, 256), depths, range(5)):
+        peers = [f"p{i}" for i in range(idle_peers)]
+        _presence(redis, idle=["me", *peers], live=["me", "busy", *peers], stale=("gone",))
+        _queue(redis, bridge, depth)
+        shared = bridge.take_share(LAYA, capacity, ttl_s=30, live_s=60)
+        expected = tail_take(capacity, depth, idle_peers=idle_peers)
+        assert shared.limit == expected, (capacity, depth, idle_peers)
+        assert len(shared.ids) == max(0, min(expected, depth)), (capacity, depth, idle_peers)
+        assert (redis.zscore(Keys().idle_workers(), "me") is None) == bool(shared.ids)
+
+
+def test_a_take_right_after_a_peers_take_gets_the_other_half(redis: Redis) -> None:
+    """Two idle workers, 100 jobs: the first take is 50 and leaves the idle set in the same step, so the second,
+    even one that looked at the queue before the first took, finds 50 left and no idle peer, and takes them all
+    (deciding before the take, it counted the first worker idle still and took 25)."""
+    w0, w1 = RQBridge(redis, Keys(), ["laya"], "w0"), RQBridge(redis, Keys(), ["laya"], "w1")
+    _presence(redis, idle=["w0", "w1"], live=["w0", "w1"])
+    _queue(redis, w0, 100)
+    first = w0.take_share(LAYA, 256, ttl_s=30, live_s=60)
+    second = w1.take_share(LAYA, 256, ttl_s=30, live_s=60)
+    assert (len(first.ids), len(second.ids)) == (50, 50)
+    assert redis.zcard(Keys().idle_workers()) == 0
+
+
+def test_every_take_with_rows_leaves_the_idle_set(redis: Redis) -> None:
+    bridge = RQBridge(redis, Keys(), ["laya"], "me")
+    _presence(redis, idle=["me"], live=["me"])
+    assert bridge.take(LAYA, 5, ttl_s=30) == []  # nothing to take: still idle
+    assert redis.zscore(Keys().idle_workers(), "me") is not None
+    redis.rpush(Keys().suspects("laya"), orjson.dumps({"ids": ["s1"]}))
+    assert bridge.take_group(LAYA, ttl_s=30) is not None
+    assert redis.zscore(Keys().idle_workers(), "me") is None
+
+
+def test_an_idle_set_of_another_type_only_turns_sharing_off(redis: Redis) -> None:
+    bridge = RQBridge(redis, Keys(), ["laya"], "me")
+    _presence(redis, idle=[], live=["me", "peer"])
+    redis.set(Keys().idle_workers(), "not a sorted set")
+    _queue(redis, bridge, 100)
+    shared = bridge.take_share(LAYA, 256, ttl_s=30, live_s=60)
+    assert (shared.limit, len(shared.ids)) == (256, 100)
+    assert redis.get(Keys().idle_workers()) == b"not a sorted set"
 
 
 class SlowEngine(FakeEngine):

@@ -98,7 +98,6 @@ class BatchWorker:
             self.bridge,
             config,
             settings,
-            idle_peers=self.presence.taking,
             bulk_limit=lambda model, capacity: self.pace.limit(model, capacity, self._pace_now),
         )
 
@@ -207,6 +206,8 @@ class BatchWorker:
         paced = self._pacing(ref, states)
         taken = self._take(ref, states, suspects=facts[ref].suspect_groups, queued=facts[ref].depth)
         if not taken.rows:
+            # Back in the idle set: a take whose every id was quarantined left it in the take's script.
+            self.presence.report(busy=False)
             return True
         started = time.monotonic()
         self._run_take(taken)

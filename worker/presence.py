@@ -76,26 +76,15 @@ class Presence:
         self._beat.start()
 
     def report(self, *, busy: bool, ok: int = 0, failed: int = 0, seconds: float = 0.0) -> None:
+        """The worker's state where RQ's tools read it, and in the idle set that a queue's tail is shared with. A take
+        that got rows has already left the idle set, in its own script (worker.rqcompat): peers sharing the tail
+        must never see this worker idle with the queue already shrunk by its take."""
         if self.rq_worker is not None:
             self.bridge.report(self.rq_worker, busy=busy, ok=ok, failed=failed, seconds=seconds)
             name, idle = self.bridge.worker_name, self.keys.idle_workers()
             # A key of another type there only turns tail sharing off (worker.tail) until it is a sorted set again.
             with contextlib.suppress(redis.exceptions.ResponseError):
                 self.redis.zrem(idle, name) if busy else self.redis.zadd(idle, {name: time.time()})
-
-    def taking(self) -> int:
-        """This worker is about to take: how many other live workers are between takes, about to take too
-        (worker.tail). It stays in the idle set until `report(busy=True)` once it has rows: leaving the set here, two
-        workers deciding at once would each see the other gone and one would take everything, and a take a peer
-        had emptied would leave it out of the set until its next batch."""
-        try:
-            with self.redis.pipeline(transaction=False) as pipe:
-                pipe.zrangebyscore(self.keys.workers(), time.time() - self.settings.worker_ttl_s, "+inf")
-                pipe.zrange(self.keys.idle_workers(), 0, -1)
-                live, idle = pipe.execute()
-        except redis.exceptions.ResponseError:
-            return 0
-        return len((set(live) & set(idle)) - {self.bridge.worker_name.encode()})
 
     def leave(self) -> None:
         """After `stop` is set: the heartbeat ends and the death is registered (if Redis answers)."""

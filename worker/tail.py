@@ -9,6 +9,10 @@ halves the rest at every take -- 300 rows left become takes of 150, 75, 38, ... 
 nearly the same for 40 rows as for 256 -- which simulated 1.45x, not 2x, for two workers over 4,000 jobs.
 Counting idle peers never halves behind a busy worker: it takes what it can, and the peer that frees up
 next takes the rest.
+
+The rule is applied where the take happens, in the take's Lua script (worker.rqcompat.scripts), with the queue's
+depth and the idle set as they are at that instant; taking rows leaves the idle set in that same step. This
+function stays the rule's one definition: the script mirrors it, and tests/test_supervisor.py checks they agree.
 """
 
 from __future__ import annotations

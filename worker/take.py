@@ -1,5 +1,6 @@
-"""One take: up to the engine's capacity of one model's jobs, taken atomically (worker.rqcompat), topped up with
-the small tails of models on the same base; or one suspect group (worker.recovery), in turns with normal takes."""
+"""One take: up to the engine's capacity of one model's jobs, shared at a queue's tail with the idle workers
+(worker.tail), taken atomically (worker.rqcompat), topped up with the small tails of models on the same base; or
+one suspect group (worker.recovery), in turns with normal takes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from worker.policy import QueueState
 from worker.rqcompat import RQBridge
 from worker.settings import WorkerSettings
 from worker.settle import Row
-from worker.tail import tail_take
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,8 @@ class Take:
 
 
 class Taker:
-    """Takes jobs for the loop; `idle_peers()` is how many other workers on this Redis are between takes now (the
-    tail of a queue is shared with them: worker.tail), and `bulk_limit(model, capacity)` the rows a bulk take
-    may hold now (worker.pace)."""
+    """Takes jobs for the loop; `bulk_limit(model, capacity)` is the rows a bulk take may hold now (worker.pace).
+    The tail of a queue is shared with the other workers between takes (worker.tail) inside the take itself."""
 
     def __init__(
         self,
@@ -37,13 +36,11 @@ class Taker:
         config: ModelsConfig,
         settings: WorkerSettings,
         *,
-        idle_peers: Callable[[], int] = lambda: 0,
         bulk_limit: Callable[[str, int], int] = lambda model, capacity: capacity,
     ) -> None:
         self.bridge = bridge
         self.config = config
         self.settings = settings
-        self.idle_peers = idle_peers
         self.bulk_limit = bulk_limit
         self.suspect_turn = True  # suspect groups and normal takes alternate: neither waits behind the other
 
@@ -62,8 +59,11 @@ class Taker:
             return Take([Row(ref.model, r, lane=ref.lane) for r in group.jobs], dead=group.dead)
         if ref.lane == BULK:
             capacity = self.bulk_limit(ref.model, capacity)
-        limit = tail_take(capacity, queued, idle_peers=self.idle_peers())
-        rows = [Row(ref.model, r, lane=ref.lane) for r in self.bridge.load(self.bridge.take(ref, limit, ttl_s=ttl))]
+        # The share is decided in the take's own script, from the queue and the idle set as they are then: decided
+        # here, a peer taking in between would leave this take a stale depth and a peer counted idle though busy.
+        shared = self.bridge.take_share(ref, capacity, ttl_s=ttl, live_s=self.settings.worker_ttl_s)
+        limit = shared.limit
+        rows = [Row(ref.model, r, lane=ref.lane) for r in self.bridge.load(shared.ids)]
         for other in self._tail_queues(ref, len(rows), limit, states):
             room = limit - len(rows)
             taken = self.bridge.load(self.bridge.take(other, room, ttl_s=ttl))

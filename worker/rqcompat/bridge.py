@@ -46,6 +46,15 @@ class SuspectTake:
 
 
 @dataclass(frozen=True)
+class SharedTake:
+    """One take of a queue: its job ids, and the rows it was allowed (the capacity asked for, or this worker's
+    share of the queue's tail: worker.tail)."""
+
+    ids: list[str]
+    limit: int
+
+
+@dataclass(frozen=True)
 class QueueFacts:
     depth: int
     oldest_enqueued_at: float | None
@@ -70,7 +79,7 @@ class RQBridge(Registration, Reclaim):
         self.started = {m: StartedJobRegistry(queue=q) for m, q in self.queues.items()}
         self.finished = {m: FinishedJobRegistry(queue=q) for m, q in self.queues.items()}
         self.failed = {m: FailedJobRegistry(queue=q) for m, q in self.queues.items()}
-        self._take = redis.register_script(_TAKE_LUA)
+        self._take_script = redis.register_script(_TAKE_LUA)
         self._take_group = redis.register_script(_TAKE_GROUP_LUA)
         self._recover = redis.register_script(_RECOVER_LUA)
         self._requeue = redis.register_script(_REQUEUE_LUA)
@@ -118,25 +127,55 @@ class RQBridge(Registration, Reclaim):
         self.exec_id = f"{self.worker_name}.{self.incarnation}.{self._seq}"
 
     def take(self, ref: QueueRef, n: int, *, ttl_s: float) -> list[str]:
-        """Atomically pop up to n job ids and register them as started by this worker. Ids that are not
-        ids (bad bytes) are quarantined and dropped from the registry."""
+        """Atomically pop up to n job ids, register them as started by this worker, and leave the idle set if any
+        came. Ids that are not ids (bad bytes) are quarantined and dropped from the registry."""
+        return self._take(ref, n, ttl_s=ttl_s, live_since=None).ids
+
+    def take_share(self, ref: QueueRef, capacity: int, *, ttl_s: float, live_s: float) -> SharedTake:
+        """As `take`, for this worker's share of the queue: worker.tail's rule over the queue's depth and the workers
+        idle now (this one aside, each with a heartbeat within `live_s`), decided in the same script as the pop.
+        A peer's take can then never fall between the look and the take: it has either shrunk the queue and left
+        the idle set, or not yet begun."""
+        return self._take(ref, capacity, ttl_s=ttl_s, live_since=time.time() - live_s)
+
+    def _take(self, ref: QueueRef, n: int, *, ttl_s: float, live_since: float | None) -> SharedTake:
+        """The take script; `live_since` None shares with nobody (the script reads '' so)."""
         if n <= 0:
-            return []
+            return SharedTake([], n)
         try:
-            raw = self._take(
-                keys=[self.queues[ref].key, self.started[ref].key, _JOB_PREFIX],
-                args=[n, time.time() + ttl_s, self.exec_id, self.worker_name, rq_now()],
+            raw = self._take_script(
+                keys=[
+                    self.queues[ref].key,
+                    self.started[ref].key,
+                    _JOB_PREFIX,
+                    self.keys.workers(),
+                    self.keys.idle_workers(),
+                ],
+                args=[
+                    n,
+                    time.time() + ttl_s,
+                    self.exec_id,
+                    self.worker_name,
+                    rq_now(),
+                    "" if live_since is None else live_since,
+                ],
             )
         except redis.exceptions.ResponseError as exc:
             self._bad_take(ref, exc)
-            return []
-        return self._screen(ref, raw, where=self.queues[ref].key)
+            return SharedTake([], n)
+        return SharedTake(self._screen(ref, raw[1:], where=self.queues[ref].key), int(raw[0]))
 
     def take_group(self, ref: QueueRef, *, ttl_s: float) -> SuspectTake | None:
-        """Atomically pop one suspect group and register its jobs as started; None when there is none."""
+        """Atomically pop one suspect group, register its jobs as started and leave the idle set; None when there is
+        none."""
         try:
             raw = self._take_group(
-                keys=[self.keys.suspects(ref.model, ref.lane), self.started[ref].key, _JOB_PREFIX],
+                keys=[
+                    self.keys.suspects(ref.model, ref.lane),
+                    self.started[ref].key,
+                    _JOB_PREFIX,
+                    self.keys.idle_workers(),
+                ],
                 args=[time.time() + ttl_s, self.exec_id, self.worker_name, rq_now()],
             )
         except redis.exceptions.ResponseError as exc:

@@ -1,4 +1,5 @@
-"""The Lua scripts that touch RQ's keys, each atomic: take, take a suspect group, recover, requeue."""
+"""The Lua scripts that touch RQ's keys, each atomic: take (sharing a queue's tail), take a suspect group, recover,
+requeue."""
 
 # Marks this job hash as started by us. A hash of another type, or a garbage attempts field, is left alone
 # (pcall): one hostile key must not abort the script after it has popped other jobs.
@@ -15,27 +16,69 @@ local function registry_ok(key)
 end
 """
 
-# KEYS: queue list, started registry, job key prefix. ARGV: n, score (expiry), exec id, worker, now string.
+# worker.tail's rule, which stays its one definition: the take script applies it where it pops, and
+# tests/test_supervisor.py checks the two agree. Lua numbers are doubles: ceil of a quotient of integers is exact
+# far beyond any queue's depth.
+_TAIL_TAKE_LUA = """
+local function tail_take(capacity, depth, peers)
+  if capacity <= 0 or peers <= 0 or depth >= capacity * (1 + peers) then return capacity end
+  return math.max(1, math.ceil(depth / (1 + peers)))
+end
+"""
+
+# The idle set (Keys.idle_workers: workers between takes) as a take sees it. Peers count only while their
+# heartbeat in the live set (Keys.workers) is at or after live_since. A key of another type only turns sharing
+# off, and is left for its owner to set right.
+_IDLE_LUA = """
+local function is_zset(key)
+  return redis.call('TYPE', key).ok == 'zset'
+end
+local function idle_peers(live, idle, me, live_since)
+  if not (is_zset(live) and is_zset(idle)) then return 0 end
+  local n = 0
+  for _, name in ipairs(redis.call('ZRANGE', idle, 0, -1)) do
+    local beat = redis.call('ZSCORE', live, name)
+    if name ~= me and beat and tonumber(beat) >= live_since then n = n + 1 end
+  end
+  return n
+end
+local function leave_idle(idle, me)
+  if is_zset(idle) then redis.call('ZREM', idle, me) end
+end
+"""
+
+# Takes this worker's share of a queue: the share (from the queue's depth and the live idle peers), the pop, the
+# started registry and leaving the idle set are one step. Decided before the script, a peer taking in between
+# left a stale depth and still counted as idle: the take came out a quarter, not a half. Returns {limit, id...}.
+# KEYS: queue list, started registry, job key prefix, live workers, idle workers.
+# ARGV: capacity, score (expiry), exec id, worker, now string, live since ('': share with nobody).
 _TAKE_LUA = (
     _MARK_STARTED_LUA
+    + _TAIL_TAKE_LUA
+    + _IDLE_LUA
     + """
 if not registry_ok(KEYS[2]) then return redis.error_reply('KEVLAYA_BAD_REGISTRY') end
-local out = {}
-for i = 1, tonumber(ARGV[1]) do
+local peers = 0
+if ARGV[6] ~= '' then peers = idle_peers(KEYS[4], KEYS[5], ARGV[4], tonumber(ARGV[6])) end
+local limit = tail_take(tonumber(ARGV[1]), redis.call('LLEN', KEYS[1]), peers)
+local out = {limit}
+for i = 1, limit do
   local id = redis.call('LPOP', KEYS[1])
   if not id then break end
   redis.call('ZADD', KEYS[2], ARGV[2], id .. ':' .. ARGV[3])
   mark(KEYS[3] .. id, ARGV[5], ARGV[4])
   out[#out + 1] = id
 end
+if #out > 1 then leave_idle(KEYS[5], ARGV[4]) end
 return out
 """
 )
 
-# Pops one suspect group and registers its jobs as started, atomically. Returns {record, id...}.
-# KEYS: suspects list, started registry, job key prefix. ARGV: score, exec id, worker, now string.
+# Pops one suspect group, registers its jobs as started and leaves the idle set, atomically. Returns {record, id...}.
+# KEYS: suspects list, started registry, job key prefix, idle workers. ARGV: score, exec id, worker, now string.
 _TAKE_GROUP_LUA = (
     _MARK_STARTED_LUA
+    + _IDLE_LUA
     + """
 if not registry_ok(KEYS[2]) then return redis.error_reply('KEVLAYA_BAD_REGISTRY') end
 local raw = redis.call('LPOP', KEYS[1])
@@ -50,6 +93,7 @@ for _, id in ipairs(rec['ids']) do
     out[#out + 1] = id
   end
 end
+if #out > 1 then leave_idle(KEYS[4], ARGV[3]) end
 return out
 """
 )
