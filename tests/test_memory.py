@@ -227,21 +227,26 @@ def test_a_step_the_graphs_pool_already_holds_is_not_planned_again() -> None:
     assert graphs.max_rows > plain.max_rows
 
 
-def test_a_take_with_sampled_rows_gets_no_credit_from_greedy_graphs() -> None:
-    """A greedy graph's pool holds bf16 logits and one float32 chunk; a sampled step needs float32 logits of every
-    row and more, and the first token's draw runs outside any graph over every row in float32. So a sampled take
-    is planned whole whatever graphs exist, and pays the first draw's float32 work per row."""
+def test_a_take_with_logprob_rows_gets_no_credit_from_the_graphs_pool() -> None:
+    """A graph's pool holds bf16 logits and one float32 chunk of rows. Sampled rows keep that (the slots draw on
+    their own rows' float32 logits, a fixed cost), so a sampled take gets the same credit as a greedy one. Rows
+    reporting logprobs convert every row's logits to float32 at once, in the graph and in the first token's
+    choice outside it: such a take is planned whole whatever graphs exist, and pays the first choice's float32
+    work per row."""
     shape = ModelShape.from_dict(QWEN_1_5B)
     weights = shape.weight_bytes(quantized=True, double_quant=True)
     common = dict(
         budget_bytes=6 * GIB, resident_bytes=weights, input_tokens=1000, new_tokens=24, prefill_chunk_tokens=4096,
         cache_tokens=1024, flash_prefill=True, choice_chunk_rows=32,
     )  # fmt: skip
-    sampled = plan_batch(shape, sampler_slots=8, **common)
-    beside_graphs = plan_batch(shape, sampler_slots=8, graph_rows=256, **common)
-    assert beside_graphs.max_rows == sampled.max_rows
-    assert beside_graphs.take_bytes(64) == sampled.take_bytes(64)
     greedy = plan_batch(shape, **common)
-    assert sampled.decode_row_bytes > greedy.decode_row_bytes  # a sampled step's temporaries, every row in float32
-    first_draw = sampled.bytes_per_row - greedy.bytes_per_row - (sampled.decode_row_bytes - greedy.decode_row_bytes)
-    assert first_draw == shape.vocab * (4 + 4 + 1)  # float32 logits, their log-softmax, finiteness flags
+    sampled = plan_batch(shape, sampler_slots=8, graph_rows=256, **common)
+    assert sampled.bytes_per_row == greedy.bytes_per_row
+    assert sampled.take_bytes(64) < plan_batch(shape, sampler_slots=8, **common).take_bytes(64)  # the credit
+    reporting = plan_batch(shape, sampler_slots=8, logprob_rows=3, **common)
+    beside_graphs = plan_batch(shape, sampler_slots=8, logprob_rows=3, graph_rows=256, **common)
+    assert beside_graphs.max_rows == reporting.max_rows
+    assert beside_graphs.take_bytes(64) == reporting.take_bytes(64)
+    assert reporting.decode_row_bytes > greedy.decode_row_bytes  # a step's temporaries, every row in float32
+    first = reporting.bytes_per_row - greedy.bytes_per_row - (reporting.decode_row_bytes - greedy.decode_row_bytes)
+    assert first == shape.vocab * (4 + 4 + 1)  # float32 logits, their log-softmax, finiteness flags

@@ -125,12 +125,16 @@ def test_sampled_rows_are_planned_as_a_few_sampler_slots(engine: Engine) -> None
         sampled = engine.plan("kev", input_tokens=64, new_tokens=12, sampled_rows=3)
         shape = engine.base_for("kev").shape
         slots = sampler_slots(3) * shape.sampling_bytes_per_slot()
-        # A greedy batch sets aside one chunk of float32 token choice; a sampled one converts every row instead.
-        chunk = int(shape.choice_chunk_bytes(CHOICE_CHUNK_ROWS) * SAFETY_FACTOR)
-        assert slots < greedy.free_bytes + chunk - sampled.free_bytes < 2 * slots  # the slots, with the margin
-        assert greedy.bytes_per_row < sampled.bytes_per_row
+        # The rest of the choice is greedy's (a chunk of rows in float32 at a time): only the slots differ.
+        assert slots < greedy.free_bytes - sampled.free_bytes < 2 * slots  # the slots, with the margin
+        assert greedy.bytes_per_row == sampled.bytes_per_row
         assert 0 < sampled.max_rows <= greedy.max_rows
         assert sampled.max_rows * sampled.bytes_per_row <= sampled.free_bytes
+        # Rows reporting logprobs convert every row's logits at once: no chunk, more per row.
+        reporting = engine.plan("kev", input_tokens=64, new_tokens=12, sampled_rows=1, logprob_rows=3)
+        chunk = int(shape.choice_chunk_bytes(CHOICE_CHUNK_ROWS) * SAFETY_FACTOR)
+        assert reporting.bytes_per_row > greedy.bytes_per_row
+        assert reporting.free_bytes > greedy.free_bytes + chunk - 2 * sampler_slots(1) * shape.sampling_bytes_per_slot()
     finally:
         engine.memory.total_bytes = None
 

@@ -124,11 +124,13 @@ class Engine:
         input_tokens: int | None = None,
         new_tokens: int | None = None,
         sampled_rows: int = 0,
+        logprob_rows: int = 0,
         may_release: bool = True,
         rows_wanted: int | None = None,
     ) -> BatchPlan:
         """How many rows of this model fit the memory budget (default: its full input and output limits), with
-        `sampled_rows` of them sampled (their draws need memory of their own).
+        `sampled_rows` of them sampled (their draws need memory of their own) and `logprob_rows` reporting
+        log-probabilities (their choice converts every row's logits to float32 at once).
 
         A take the loop's KV pool holds reuses it, so it is planned beside the pool and graphs as they are. Where
         releasing them would plan more than `RELEASE_GAIN` times the rows (a pool sized for another model's
@@ -148,6 +150,7 @@ class Engine:
                 max_rows=self.max_batch_rows,
                 decoder=decoder,
                 released=released,
+                logprob_rows=logprob_rows,
             )
 
         planned = plan()

@@ -28,8 +28,8 @@ SAFETY_FACTOR = 1.4
 # A decode graph's own per-row buffers over its cache length (worker/fastpath/graphs.py State): the chosen
 # tokens (int64), their log-probabilities (float32) and the attention mask (bool).
 STATE_BYTES_PER_CACHE_TOKEN = 8 + 4 + 1
-# The first token's choice for a take with sampled or logprob rows, per row and vocabulary entry: the logits'
-# float32 copy, their log-softmax and the finiteness flags.
+# The first token's choice for a take with logprob rows, per row and vocabulary entry: the logits' float32 copy,
+# their log-softmax and the finiteness flags.
 FIRST_CHOICE_BYTES_PER_VOCAB = 4 + 4 + 1
 
 
@@ -182,6 +182,7 @@ def plan_batch(
     kv_pool_bytes: int = 0,
     graph_rows: int = 0,
     graph_row_slack: float = 1.0,
+    logprob_rows: int = 0,
 ) -> BatchPlan:
     """The largest number of rows of `input_tokens + new_tokens` that fits in what the budget leaves.
 
@@ -193,8 +194,8 @@ def plan_batch(
     a layer before the next, holding the group's hidden states between layers (`prefill_held_bytes_per_token`):
     a fixed cost, one group's, not a per-row one.
     `sampler_slots`: the batch's sampled rows, bucketed, each drawing over the vocabulary in every step.
-    `choice_chunk_rows`: the static loop's greedy token choice, converting that many rows' logits to float32 at
-    a time (a batch with sampled rows converts them all at once).
+    `choice_chunk_rows`: the static loop's token choice, converting that many rows' logits to float32 at a time
+    (sampled rows' draws convert only their slots' rows; a batch with `logprob_rows` converts them all at once).
     `kv_pool_bytes`: the static loop's KV pool as already allocated, part of `resident_bytes`. A take whose cache
     it holds reuses the whole pool (its rows' KV is no new memory, but neither is the rest of the pool free); a
     larger take replaces it. Planned without the pool, a take of 192 rows beside a 256-row pool ran out of
@@ -202,8 +203,8 @@ def plan_batch(
     first was planned at 0 rows.
     `graph_rows`: the most rows of a decode graph already captured. The graphs share one memory pool, part of
     `resident_bytes`, that holds a greedy step's temporaries for that many rows: counted again per row, they cut
-    takes beside a large pool to a third (64 rows where 156 fit, on the H200). A take with sampled or logprob
-    rows gets no such credit (its step needs more than a greedy graph's pool holds).
+    takes beside a large pool to a third (64 rows where 156 fit, on the H200). A take with logprob rows gets no
+    such credit (its step converts every row's logits to float32, more than a chunked step's pool holds).
     `graph_row_slack`: a captured graph of up to this many times a take's rows may serve it (its extra rows
     idle along, their first-token logits allocated too)."""
     free = budget_bytes - resident_bytes - reserve_bytes
@@ -235,14 +236,14 @@ def plan_batch(
         cache = cache_tokens or input_tokens + new_tokens
         kv_row = cache * kv
         exact = kv_row + cache * STATE_BYTES_PER_CACHE_TOKEN + int(shape.vocab * dtype_bytes * graph_row_slack)
-        chunked = choice_chunk_rows if choice_chunk_rows and not sampler_slots else None
+        chunked = choice_chunk_rows if choice_chunk_rows and not logprob_rows else None
         if chunked:
             free -= int(shape.choice_chunk_bytes(chunked) * SAFETY_FACTOR)
         else:
             # The first token is chosen outside the graph, over every row's logits at once in float32 (a copy,
             # its log-softmax, finiteness flags), beside the graph's own temporaries.
             exact += shape.vocab * FIRST_CHOICE_BYTES_PER_VOCAB
-            # A greedy graph's pool holds bf16 logits and one float32 chunk, far less than a sampled step needs.
+            # A graph's pool holds bf16 logits and one float32 chunk, far less than such a step needs.
             graph_rows = 0
         decode_row = int(shape.decode_bytes_per_row(dtype_bytes, choice_chunk_rows=chunked) * SAFETY_FACTOR)
         plan = BatchPlan(

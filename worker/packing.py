@@ -14,7 +14,7 @@ from worker.outputs import RowOutput
 from worker.rows import Item
 
 log = logging.getLogger("kevlaya.engine")
-Plan = Callable[..., BatchPlan]  # Engine.plan(model, *, input_tokens, new_tokens, sampled_rows, rows_wanted)
+Plan = Callable[..., BatchPlan]  # Engine.plan(model, *, input_tokens, new_tokens, sampled_rows, logprob_rows, ...)
 
 
 # A logprob slot (worker/fastpath/logprobs.py) holds its row's log-softmax and top-k's workspace, about 2 fp32
@@ -55,9 +55,15 @@ def pack(
             per_item = max(1, len(item.job.choices or ()))
             rows = plan(model, input_tokens=longest + 8, new_tokens=0).max_rows // per_item
         else:
-            draws = sampled + (item.job.temperature > 0) + logprob_draws(asking + item.job.logprobs)
+            reporting = asking + item.job.logprobs
+            draws = sampled + (item.job.temperature > 0) + logprob_draws(reporting)
             rows = plan(
-                model, input_tokens=longest, new_tokens=max(new, item.max_new), sampled_rows=draws, rows_wanted=wanted
+                model,
+                input_tokens=longest,
+                new_tokens=max(new, item.max_new),
+                sampled_rows=draws,
+                logprob_rows=reporting,
+                rows_wanted=wanted,
             ).max_rows
         if current and len(current) + 1 > max(1, rows):
             yield current

@@ -180,9 +180,11 @@ class MemoryBudget:
         max_rows: int,
         decoder: StaticDecoder | None,
         released: bool = False,
+        logprob_rows: int = 0,
     ) -> BatchPlan:
         """How many rows of `input_tokens` + `new_tokens` fit what is left of the budget, `sampled_rows` of them
-        sampled (their draws need memory of their own), on the base's static loop (`decoder`) or HF's path.
+        sampled (their draws need memory of their own) and `logprob_rows` reporting log-probabilities, on the
+        base's static loop (`decoder`) or HF's path.
         `released`: as though the loop's KV pool and graphs were released first (the graphs' memory, not
         measured apart, still counted)."""
         decoder = decoder if new_tokens > 0 else None
@@ -211,6 +213,7 @@ class MemoryBudget:
             kv_pool_bytes=pool_bytes,
             graph_rows=graph_rows,
             graph_row_slack=decoder.graphs.reuse_slack if decoder else 1.0,
+            logprob_rows=logprob_rows,
         )
         if decoder is None or plan.max_rows in ROW_BUCKETS:
             return plan

@@ -122,17 +122,17 @@ def causal_lm(model: Any) -> Any:
 def choose_tokens(state: State, logits: torch.Tensor) -> None:
     """Greedy choice (or each sampled row's draw) and bookkeeping, all on the device (no host sync): as HF's
     greedy search does it -- argmax of the float32 logits (converted a chunk of rows at a time when no row
-    samples or reports logprobs), finished rows emit padding -- plus the chosen token's log-probability and
+    reports logprobs), finished rows emit padding -- plus the chosen token's log-probability and
     non-finite rows forced to end (flagged, so their batch-mates carry on)."""
     logp = None
-    if state.sampling is None and state.reported is None:
+    if state.reported is None:
         token, logprob, finite = greedy_choice(logits, state.end_id)
     else:
         logits = logits.float()
         token, logprob, finite, logp = token_choice(logits, state.end_id)
     if state.sampling is not None:
-        # Sampled rows draw from their own distribution (greedy rows keep the argmax above); a non-finite
-        # row still ends with `end_id`.
+        # Sampled rows draw from their own distribution (greedy rows keep the argmax above; only the sampler
+        # slots' rows are converted to float32); a non-finite row still ends with `end_id`.
         token, logprob = draw_rows(logits, token, logprob, finite, state.sampling, state.step, filtered=state.filtered)
     state.bad |= ~finite & ~state.finished
     token = torch.where(state.finished, state.pad_id, token)

@@ -120,10 +120,11 @@ def draw_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token` and `logprob` (the greedy choice, per row) with each sampled row's draw in its place: the slots
     gather their rows' logits, draw, and write back (unused slots write into a scratch row past the batch).
-    A non-finite row keeps what the caller chose for it."""
+    A non-finite row keeps what the caller chose for it. `logits` in any float dtype: only the slots' rows are
+    converted to float32 (the same numbers as converting them all first)."""
     rows = token.shape[0]
     gather = params.index.clamp(max=rows - 1)  # an unused slot reads any row; what it draws is discarded
-    drawn, drawn_logprob = sample(logits.index_select(0, gather), params, step, filtered=filtered)
+    drawn, drawn_logprob = sample(logits.index_select(0, gather).float(), params, step, filtered=filtered)
     use = params.on & finite.index_select(0, gather)
     tokens = torch.cat((token, token.new_zeros(1)))
     logprobs = torch.cat((logprob, logprob.new_zeros(1)))
