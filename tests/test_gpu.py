@@ -87,6 +87,31 @@ def test_logprobs_from_a_replayed_graph_match_hf_generate(tiny_models: Path) -> 
     assert graphs.decoders["default"].use_graphs
 
 
+def test_sampled_rows_on_a_replayed_graph_draw_what_the_loop_draws_without_graphs(tiny_models: Path) -> None:
+    """Seeded sampled rows (with and without a top-p / top-k cut) beside greedy ones, captured then replayed: the
+    same tokens as the static loop without graphs on the same device and weights. The draw converts only the
+    sampler slots' rows to float32 and the greedy part is chosen a chunk of rows at a time, inside the graph."""
+    from bench.fastpath import TokenRecorder
+    from shared.job import Job
+
+    config = tiny_config(tiny_models, "none", laya_new=16)
+    graphs = TokenRecorder(config, device="cuda", decode="auto")
+    plain = TokenRecorder(config, device="cuda", decode="static", bases=graphs.bases)
+    prompts = ["Approve a loan of 12000?", "Income 52000, debt low.", "x", "Step 1: check income " * 5]
+    jobs = [Job(custom_id=f"g{i}", model="laya", prompt=p) for i, p in enumerate(prompts)] + [
+        Job(custom_id="s0", model="laya", prompt=prompts[0], temperature=1.3, seed=11),
+        Job(custom_id="s1", model="laya", prompt=prompts[1], temperature=0.8, seed=12, top_p=0.9),
+        Job(custom_id="s2", model="laya", prompt=prompts[3], temperature=1.0, seed=13, top_k=5),
+    ]
+    plain.run(jobs)
+    for _ in range(2):  # captured, then replayed
+        graphs.run(jobs)
+        assert {j.custom_id: graphs.tokens[j.custom_id] for j in jobs} == {
+            j.custom_id: plain.tokens[j.custom_id] for j in jobs
+        }
+    assert graphs.decoders["default"].use_graphs and not plain.decoders["default"].use_graphs
+
+
 def test_captures_do_not_leave_memory_behind_once_their_graphs_are_gone(tiny_models: Path) -> None:
     """What the allocator holds after graphs of many shapes were captured and released comes back to what it held
     after the first round: a capture leaves nothing of its own behind. Capturing each on a stream of its own
