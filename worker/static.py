@@ -118,6 +118,8 @@ def warm_up(
         groups = [[a] for a in dict.fromkeys(adapters)] + ([adapters] if len(set(adapters)) > 1 else [])
         rows = rows_for(models)
         token, stops = base.tokenizer.eos_token_id or 0, stop_ids(base, config.stop_strings)
+        pad_id = base.tokenizer.pad_token_id
+        select = lambda chosen, base=base: select_adapters(base, chosen)  # noqa: E731
         for names in groups:
             # The largest take (prefill in full chunks, then two decode steps), and one row: the kernels real
             # batches use (matmul shapes follow the rows and the chunk's tokens), and the compiled elementwise
@@ -129,22 +131,13 @@ def warm_up(
                 # Prompt lengths equal to no model dimension: torch.compile treats equal sizes as one symbol
                 # (a 14-token warm-up matched 12 query + 2 KV heads), and real lengths then recompile.
                 batch = [DecodeRow(ids=[token] * width, max_new=2, adapter=names[i % len(names)]) for i in range(n)]
-                decoder.decode(
-                    batch,
-                    stop_ids=stops,
-                    pad_id=base.tokenizer.pad_token_id,
-                    select=lambda chosen, base=base: select_adapters(base, chosen),
-                )
+                decoder.decode(batch, stop_ids=stops, pad_id=pad_id, select=select)
             if len(names) == 1:
                 # Choice scoring's own kernels (each choice's tokens against the prompt's cache): the first take
                 # of choice jobs spent 1.7 s where the next ones spent ~0.5 s on the H200.
                 choices = ((token, token), (token, token, token))
                 scored = [ScoreRow(ids=[token] * 29, choices=choices, adapter=names[0]) for _ in range(3)]
-                decoder.score(
-                    scored,
-                    pad_id=base.tokenizer.pad_token_id,
-                    select=lambda chosen, base=base: select_adapters(base, chosen),
-                )
+                decoder.score(scored, pad_id=pad_id, select=select)
         decoder.release()
         decoder.phase_s.clear()
     if device.type == "cuda":

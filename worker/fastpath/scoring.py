@@ -124,7 +124,7 @@ def score_choices(
     merge_lora: bool,
 ) -> Scored:
     """Each row's choices scored after its prompt, whose K/V `kv` already holds (prefilled, ending in column
-    `width - 1`); `first_logits` (rows, vocab) are the prefill's logits after each prompt (compute dtype)."""
+    `width - 1`); `first_logits` (rows, vocab) are the prefill's logits after each prompt (the LM head's dtype)."""
     sums = [[0.0] * len(row.choices) for row in rows]
     bad = [False] * len(rows)
     first_lp = first_token_logprobs(first_logits, rows)
