@@ -1,4 +1,4 @@
-"""`python -m bench {engine|nightly|fastpath|mixed|multigpu|submit|soak|recovery} ...`: the benchmarks."""
+"""`python -m bench {engine|nightly|fastpath|mixed|multigpu|kernels|submit|soak|recovery} ...`: the benchmarks."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ def main() -> None:
         "recovery": "bench.recovery",
         "mixed": "bench.mixed",
         "multigpu": "bench.multigpu",
+        "kernels": "bench.kernels",
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(f"usage: python -m bench {{{'|'.join(commands)}}} [--help]", file=sys.stderr)

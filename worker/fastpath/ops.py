@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from worker.fastpath import pointwise
+
 log = logging.getLogger("kevlaya.fastpath")
 
 
@@ -89,14 +91,34 @@ class Fused:
         return self.fn(*args)
 
 
-class Ops:
-    """The fused elementwise steps of a layer, compiled or eager (see `Fused`)."""
+# Rotary and SiLU x up run by our kernels (`pointwise`) for calls of at most this many tokens: a decode step's
+# rows (replayed from a graph, where a launch costs the host nothing). A prefill chunk's calls are issued by the
+# host one by one, and there a launch of ours costs more host time than the compiled kernel's: on the H200 the
+# GPU time fell (291 -> 245 ms for 42k prompt tokens) but prefill, already waiting on the host, slowed
+# (123k -> 106k tok/s, `bench fastpath`).
+KERNEL_TOKENS = 512
 
-    def __init__(self, compiled: bool) -> None:
+
+class Ops:
+    """The fused elementwise steps of a layer: rotary and SiLU x up by our own Triton kernels for a decode
+    step's few tokens (`kernels`, see `pointwise` and `KERNEL_TOKENS`), the rest compiled or eager (see
+    `Fused`)."""
+
+    def __init__(self, compiled: bool, kernels: bool = False) -> None:
         self.add_rms = Fused(add_rms, compiled)
         self.rms = Fused(rms_scaled, compiled)
-        self.rope = Fused(rope, compiled)
+        self.rotary = Fused(rope, compiled)
         self.silu_mul = Fused(silu_mul, compiled)
+        self.kernels = kernels
+
+    def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """HF's rotary embedding of `qk` (rows, T, heads, D) by cos/sin (rows or 1, T, D)."""
+        if self._ours(qk.shape[0] * qk.shape[1]) and pointwise.rope_fits(qk):
+            return pointwise.rope(qk, cos, sin)
+        return self.rotary(qk, cos.unsqueeze(2), sin.unsqueeze(2))
+
+    def _ours(self, tokens: int) -> bool:
+        return self.kernels and tokens <= KERNEL_TOKENS
 
     def norm(self, norm: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         if isinstance(norm, RMSNorm):
@@ -115,7 +137,7 @@ class Ops:
         self, act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor
     ) -> torch.Tensor:
         if isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation":
-            return self.silu_mul(gate, up)
+            return pointwise.silu_mul(gate, up) if self._ours(gate[..., 0].numel()) else self.silu_mul(gate, up)
         return act(gate) * up
 
 

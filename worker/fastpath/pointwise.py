@@ -1,0 +1,114 @@
+"""Rotary embedding and SiLU x up as hand-written Triton kernels, with eager's rounding.
+
+torch.compile'd with dynamic shapes (the loop's steps come in many widths), both index every element through
+divisions by the symbolic sizes: on the H200 the rotary kernel ran at ~1/17 of its bandwidth bound, SiLU x up
+at ~1/2 (in prefill chunks, 11% of GPU time each). Here one program covers a token's heads (rotary) or a block
+of a token's features (SiLU x up), offsets from the strides. Measured (`python -m bench kernels`), 28 calls:
+rotary 3.0 -> 0.20 ms and SiLU x up 3.1 -> 1.5 ms at a 4,096-token chunk, 0.13 -> 0.05 and 0.24 -> 0.14 ms at
+256 decode rows.
+
+Rounding is eager's: rotary rounds each product to the compute dtype, then the sum (compiled without
+multiply-add contraction, which rounds once: bit-equal to eager on the H200); SiLU uses IEEE exp and division
+(libdevice), as torch's CUDA kernel computes it in float32.
+
+Triton is optional (the GPU build of torch brings it): without it, or off CUDA, `available` says no and the
+compiled or eager functions in `ops` run. Under `TRITON_INTERPRET=1` the kernels run on the CPU (the tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+except ImportError:  # CPU-only installs
+    triton = None
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+if triton is not None:
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _rope_kernel(
+        x, cos, sin, out, T, H, sx_r, sx_t, sx_h, sc_r, sc_t, BH: tl.constexpr, D: tl.constexpr,
+    ):  # fmt: skip
+        token = tl.program_id(0)
+        r = token // T
+        t = token % T
+        h = tl.program_id(1) * BH + tl.arange(0, BH)
+        d = tl.arange(0, D)
+        first = d < D // 2
+        src = x + r * sx_r + t * sx_t + h[:, None] * sx_h
+        inside = (h[:, None] < H) & (d[None, :] < D)
+        v = tl.load(src + d[None, :], mask=inside, other=0.0)
+        partner = tl.load(src + ((d + D // 2) % D)[None, :], mask=inside, other=0.0)
+        rotated = tl.where(first[None, :], -partner, partner)  # HF's rotate_half
+        c = tl.load(cos + r * sc_r + t * sc_t + d)[None, :]
+        s = tl.load(sin + r * sc_r + t * sc_t + d)[None, :]
+        dtype = out.dtype.element_ty
+        a = (v.to(tl.float32) * c.to(tl.float32)).to(dtype)
+        b = (rotated.to(tl.float32) * s.to(tl.float32)).to(dtype)
+        y = (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
+        tl.store(out + (token * H + h[:, None]) * D + d[None, :], y, mask=inside)
+
+    @triton.jit
+    def _silu_mul_kernel(gate, up, out, F, s_gate, s_up, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < F
+        g = tl.load(gate + row * s_gate + cols, mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(up + row * s_up + cols, mask=inside, other=0.0).to(tl.float32)
+        dtype = out.dtype.element_ty
+        if LIBDEVICE:
+            silu = libdevice.div_rn(g, 1.0 + libdevice.exp(-g)).to(dtype)
+        else:  # the interpreter (numpy's exp and division are IEEE already)
+            silu = (g / (1.0 + tl.exp(-g))).to(dtype)
+        tl.store(out + row * F + cols, (silu.to(tl.float32) * u).to(dtype), mask=inside)
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether these kernels serve tensors on `device` in `dtype` (bf16/fp16 on CUDA; the CPU when interpreted)."""
+    if triton is None:
+        return False
+    if INTERPRETED:
+        return device.type == "cpu"
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotary embedding of `qk` (rows, T, heads, D), any strides with D contiguous, by cos/sin (rows or 1,
+    T, D): a fresh contiguous (rows, T, heads, D) tensor. D must be a power of two (`rope_fits`)."""
+    rows, length, heads, dim = qk.shape
+    out = torch.empty(rows, length, heads, dim, dtype=qk.dtype, device=qk.device)
+    cos, sin = cos.expand(rows, length, dim), sin.expand(rows, length, dim)
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    block_heads = min(16, triton.next_power_of_2(heads))
+    grid = (rows * length, triton.cdiv(heads, block_heads))
+    _rope_kernel[grid](
+        qk, cos, sin, out, length, heads, qk.stride(0), qk.stride(1), qk.stride(2), cos.stride(0), cos.stride(1),
+        BH=block_heads, D=dim, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
+
+
+def rope_fits(qk: torch.Tensor) -> bool:
+    dim = qk.shape[-1]
+    return qk.stride(-1) == 1 and dim >= 2 and dim & (dim - 1) == 0
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) x up for same-shaped (..., F) tensors whose rows are evenly strided (views of a joint output)."""
+    features = gate.shape[-1]
+    g, u = gate.reshape(-1, features), up.reshape(-1, features)
+    if g.stride(-1) != 1 or u.stride(-1) != 1:
+        g, u = g.contiguous(), u.contiguous()
+    out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
+    block = 1024
+    grid = (g.shape[0], triton.cdiv(features, block))
+    _silu_mul_kernel[grid](g, u, out, features, g.stride(0), u.stride(0), BLOCK=block, LIBDEVICE=not INTERPRETED)
+    return out.view(gate.shape)
