@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--compute-dtype", default=None, help="float32 to check agreement without bf16 rounding")
     parser.add_argument("--exact-lora", action="store_true", help="PEFT's float32 LoRA arithmetic in the loop")
+    parser.add_argument(
+        "--pointwise-kernels", action="store_true", help="rotary and SiLU x up of decode steps by our Triton kernels"
+    )
     parser.add_argument("--skip-eager", action="store_true", help="no eager ms/step and kernel table")
     parser.add_argument("--skip-profiles", action="store_true", help="no kernel tables (agreement and timings only)")
     parser.add_argument("--out", default="bench/out")
@@ -155,10 +158,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     static = TokenRecorder(
         config, device=args.device, memory_budget_bytes=budget, max_batch_rows=512, decode="auto", bases=eager.bases
     )
-    if args.exact_lora:
+    if args.exact_lora or args.pointwise_kernels:
         for name, decoder in static.decoders.items():
             static.decoders[name] = StaticDecoder(
-                static.bases[name].model, static.device, use_graphs=decoder.use_graphs, fuse_lora=False
+                static.bases[name].model,
+                static.device,
+                use_graphs=decoder.use_graphs,
+                fuse_lora=not args.exact_lora,
+                pointwise_kernels=args.pointwise_kernels,
             )
     tok = eager.base_for("laya").tokenizer
     specs = workload(max(args.rows, 256), 0.0, tokenizer=tok, seed=5)
@@ -168,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["compute_dtype"] = config.bases["default"].compute_dtype
     exact = args.exact_lora or report["compute_dtype"] == "float32"  # float32: PEFT's own arithmetic, no casts
     report["lora"] = "exact (PEFT float32)" if exact else "fused in the compute dtype"
+    report["pointwise_kernels"] = args.pointwise_kernels
     report["agreement"] = agreement(eager, static, {"laya": laya, "kev": kev, "mixed": mixed})
     sizes = [int(s) for s in args.sizes.split(",")]
     fixed = [
@@ -210,9 +218,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for k, v in ag.items()
     )
     peak = f", peak {report['peak_memory_bytes'] / MIB:.0f} MiB" if "peak_memory_bytes" in report else ""
+    kernels = ", our rotary and SiLU x up kernels" if args.pointwise_kernels else ""
     append_results(
         f"| fastpath | {report['hardware']} | {args.shape} NF4 ({report['compute_dtype']} compute) + Kev r16/Laya r8 "
-        f"(random weights) | static+graph (LoRA {report['lora']}) vs "
+        f"(random weights) | static+graph (LoRA {report['lora']}{kernels}) vs "
         f"HF generate, 128-token prompts: {steps}; prefill {report['prefill']['tokens_per_s']:.0f} prompt tok/s "
         f"(192 rows); greedy agreement: {agree}{peak} | "
         f"`python -m bench fastpath {' '.join(sys.argv[1:] if argv is None else argv)}` |",

@@ -164,13 +164,18 @@ class StaticDecoder:
         join_projections: bool = True,
         merge_lora: bool = True,
         compile_ops: bool = True,
+        pointwise_kernels: bool = False,
     ) -> None:
         self.model = model  # what the prefill fallback calls (the PEFT wrapper, so adapters apply)
         self.device = device
         self.use_graphs = use_graphs and device.type == "cuda"
         self.check_every = check_every
         self.stack = Stack(
-            causal_lm(model), fuse_lora=fuse_lora, join_projections=join_projections, compile_ops=compile_ops
+            causal_lm(model),
+            fuse_lora=fuse_lora,
+            join_projections=join_projections,
+            compile_ops=compile_ops,
+            pointwise_kernels=pointwise_kernels,
         )
         self.dtype = self.stack.dtype
         self.prefill = Prefill(

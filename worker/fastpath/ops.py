@@ -91,18 +91,19 @@ class Fused:
         return self.fn(*args)
 
 
-# Rotary and SiLU x up run by our kernels (`pointwise`) for calls of at most this many tokens: a decode step's
-# rows (replayed from a graph, where a launch costs the host nothing). A prefill chunk's calls are issued by the
-# host one by one, and there a launch of ours costs more host time than the compiled kernel's: on the H200 the
-# GPU time fell (291 -> 245 ms for 42k prompt tokens) but prefill, already waiting on the host, slowed
-# (123k -> 106k tok/s, `bench fastpath`).
+# With `Ops(kernels=True)`, rotary and SiLU x up run by our kernels (`pointwise`) for calls of at most this many
+# tokens: a decode step's rows, replayed from a graph, where a launch costs the host nothing. A prefill chunk's
+# calls are issued by the host one by one, and there our launches cost more host time than the compiled
+# kernels' (on the H200 prefill GPU time fell from 291 to 245 ms for 42k prompt tokens, yet prefill, already
+# waiting on the host, slowed from ~123k to ~106k tok/s in `bench fastpath`).
 KERNEL_TOKENS = 512
 
 
 class Ops:
-    """The fused elementwise steps of a layer: rotary and SiLU x up by our own Triton kernels for a decode
-    step's few tokens (`kernels`, see `pointwise` and `KERNEL_TOKENS`), the rest compiled or eager (see
-    `Fused`)."""
+    """The fused elementwise steps of a layer, compiled or eager (see `Fused`); with `kernels`, rotary and SiLU
+    x up of a decode step's few tokens by our own Triton kernels (`pointwise`, `KERNEL_TOKENS`). Off by
+    default: their GPU time is 2-15x lower and bit-equal to eager, but the end-to-end runs on the H200 have not
+    shown a gain yet (`bench fastpath --pointwise-kernels` compares)."""
 
     def __init__(self, compiled: bool, kernels: bool = False) -> None:
         self.add_rms = Fused(add_rms, compiled)
@@ -112,10 +113,12 @@ class Ops:
         self.kernels = kernels
 
     def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """HF's rotary embedding of `qk` (rows, T, heads, D) by cos/sin (rows or 1, T, D)."""
+        """HF's rotary embedding of `qk` (rows, T, heads, D) by cos/sin (rows or 1, T, D), handed back as
+        (rows, heads, T, D). Our kernel reads the tokens-first layout the projection wrote; the compiled
+        function runs on the heads-first view (on the tokens-first one its decode step took twice as long)."""
         if self._ours(qk.shape[0] * qk.shape[1]) and pointwise.rope_fits(qk):
-            return pointwise.rope(qk, cos, sin)
-        return self.rotary(qk, cos.unsqueeze(2), sin.unsqueeze(2))
+            return pointwise.rope(qk, cos, sin).transpose(1, 2)
+        return self.rotary(qk.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))
 
     def _ours(self, tokens: int) -> bool:
         return self.kernels and tokens <= KERNEL_TOKENS

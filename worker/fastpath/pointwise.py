@@ -32,7 +32,9 @@ if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    @triton.jit
+    # Not specialised on the sizes and strides (Triton compiles a variant per divisibility pattern): one compile,
+    # in the engine's warm-up, serves every step; a compile inside a take costs it seconds.
+    @triton.jit(do_not_specialize=["T", "H", "sx_r", "sx_t", "sx_h", "sc_r", "sc_t"])
     def _rope_kernel(
         x, cos, sin, out, T, H, sx_r, sx_t, sx_h, sc_r, sc_t, BH: tl.constexpr, D: tl.constexpr,
     ):  # fmt: skip
@@ -55,7 +57,7 @@ if triton is not None:
         y = (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
         tl.store(out + (token * H + h[:, None]) * D + d[None, :], y, mask=inside)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["F", "s_gate", "s_up"])
     def _silu_mul_kernel(gate, up, out, F, s_gate, s_up, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -366,7 +366,9 @@ class Stack:
     """The model's decoder as the loop computes it: embedding, layers (weights joined, LoRA applied by the
     loop), final norm, rotary embedding and LM head, and the per-layer math every path shares."""
 
-    def __init__(self, lm: Any, *, fuse_lora: bool, join_projections: bool, compile_ops: bool) -> None:
+    def __init__(
+        self, lm: Any, *, fuse_lora: bool, join_projections: bool, compile_ops: bool, pointwise_kernels: bool = False
+    ) -> None:
         cfg = lm.config
         self.embed, self.norm, self.rotary = lm.model.embed_tokens, norm_of(lm.model.norm), lm.model.rotary_emb
         self.head = lm.lm_head
@@ -374,7 +376,8 @@ class Stack:
         self.device = self.embed.weight.device
         # Residual adds with the norms after them, rotary, SiLU x up: one compiled kernel each (bf16/fp16 on a GPU).
         compiled = compile_ops and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
-        self.ops = Ops(compiled, kernels=compile_ops and pointwise.available(self.device, self.dtype))
+        # pointwise_kernels: rotary and SiLU x up of decode steps by our Triton kernels (`Ops`; for comparisons).
+        self.ops = Ops(compiled, kernels=pointwise_kernels and pointwise.available(self.device, self.dtype))
         # fuse_lora=False keeps PEFT's float32 LoRA arithmetic in bf16/fp16 models too (slower; for comparisons).
         # join_projections=False runs q/k/v and gate/up as separate matmuls (for comparisons).
         layers = lm.model.layers[: cfg.num_hidden_layers]
@@ -407,13 +410,10 @@ class Stack:
         (q, k, v), joint = layer.qkv(x, masks, dense[0])
         v = v.reshape(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
         # Rotary on queries and keys together (half the kernels): adjacent in the joint output, they need no
-        # concatenation. It runs on the tokens-first layout the projection wrote, heads transposed only after:
-        # on a transposed view the compiled kernel ran at ~1/17 of its bandwidth bound (prefill on the H200:
-        # 11% of GPU time).
+        # concatenation.
         qk_width = (self.heads + self.kv_heads) * self.head_dim
         qk = joint[..., :qk_width] if joint is not None else torch.cat((q, k), dim=-1)
-        qk = qk.view(rows, width, self.heads + self.kv_heads, self.head_dim)
-        qk = self.ops.rope(qk, cos, sin).transpose(1, 2)
+        qk = self.ops.rope(qk.view(rows, width, self.heads + self.kv_heads, self.head_dim), cos, sin)
         return qk[:, : self.heads], qk[:, self.heads :], v
 
     def rest(

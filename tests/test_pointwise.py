@@ -1,0 +1,99 @@
+"""Our rotary and SiLU x up Triton kernels (worker/fastpath/pointwise.py), run on the CPU by Triton's interpreter:
+rotary bit-equal to eager (the kernel rounds each product, then the sum, as eager does), SiLU x up to eager's
+float32 within the exp's last bits, and the decode loop with the kernels token for token as without them. The
+interpreter must be chosen before Triton is imported, so each check runs in a fresh interpreter process. (The
+same comparisons on the GPU, in bf16: `python -m bench kernels`.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_interpreted(script: str, *args: str) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_rotary_is_bit_equal_and_silu_mul_matches_eager() -> None:
+    out = run_interpreted("""
+        import torch
+        from worker.fastpath import ops, pointwise
+        torch.manual_seed(0)
+        for dtype in (torch.float32, torch.float16):
+            # q/k heads of a joint q/k/v output (strided rows), 14 heads (under one block) and 20 (over it);
+            # cos/sin shared by the rows (prefill) or one per row (decode).
+            for rows, length, heads, per_row in ((2, 5, 14, False), (3, 1, 14, True), (2, 3, 20, False)):
+                joint = torch.randn(rows, length, (heads + 2) * 16).to(dtype)
+                qk = joint[..., : heads * 16].view(rows, length, heads, 16)
+                cos = torch.randn(rows if per_row else 1, length, 16).to(dtype)
+                sin = torch.randn_like(cos)
+                got = pointwise.rope(qk, cos, sin)
+                assert got.shape == qk.shape and got.is_contiguous()
+                assert torch.equal(got, ops.rope(qk, cos.unsqueeze(2), sin.unsqueeze(2))), (dtype, rows, heads)
+            gate_up = torch.randn(3, 4, 2 * 1100).to(dtype) * 4
+            gate, up = gate_up.split(1100, dim=-1)  # a joint gate/up output's halves: strided, 2 blocks a row
+            got = pointwise.silu_mul(gate, up)
+            want = ops.silu_mul(gate, up)
+            assert got.shape == gate.shape and got.dtype == dtype
+            # float16: the same roundings, so at most an ulp apart where exp's last bit tips one.
+            tight = dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-6 if tight else 1e-3, atol=1e-6 if tight else 1e-3)
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_the_loop_with_the_kernels_decodes_token_for_token_as_without(tiny_models: Path) -> None:
+    """Kev, Laya and mixed rows in float32: the same tokens and log-probabilities with the kernels (which the
+    step does call) as with the functions they replace."""
+    from tests.conftest import tiny_config
+
+    config_path = tiny_config(tiny_models, "none").path
+    out = run_interpreted(
+        """
+        import sys
+        import torch
+        from tests.test_fastpath import PROMPTS
+        from worker.config import load_config
+        from worker.engine import Engine
+        from worker.fastpath import DecodeRow, StaticDecoder, pointwise
+        from worker.loading import select_adapters
+
+        calls = {"rope": 0, "silu_mul": 0}
+        for name in calls:
+            def counted(*args, _fn=getattr(pointwise, name), _name=name):
+                calls[_name] += 1
+                return _fn(*args)
+            setattr(pointwise, name, counted)
+        engine = Engine(load_config(sys.argv[1]), device="cpu", decode="static")
+        (base,), (plain,) = engine.bases.values(), engine.decoders.values()
+        ours = StaticDecoder(base.model, torch.device("cpu"), use_graphs=False, pointwise_kernels=True)
+        assert ours.stack.ops.kernels and not plain.stack.ops.kernels
+        for adapters in (["kev"], ["laya"], ["kev", "laya"]):
+            ids = [base.tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(5)]
+            rows = [DecodeRow(ids=r, max_new=6, adapter=adapters[i % len(adapters)]) for i, r in enumerate(ids)]
+            kw = {"stop_ids": [-1], "pad_id": base.tokenizer.pad_token_id, "select": lambda n: select_adapters(base, n)}
+            a, b = ours.decode(rows, **kw), plain.decode(rows, **kw)
+            assert torch.equal(a.tokens, b.tokens), adapters
+            torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-6, atol=1e-6)
+        assert calls["rope"] > 0 and calls["silu_mul"] > 0, calls
+        print("ok", calls)
+    """,
+        str(config_path),
+    )
+    assert out.startswith("ok")
