@@ -138,3 +138,29 @@ def test_captures_do_not_leave_memory_behind_once_their_graphs_are_gone(tiny_mod
         last = a_round()
     assert decoder.captures - captured >= 4 * 7  # every round captured its seven graphs again
     assert last <= first + 2 * 1024**2, (first, last)
+
+
+def test_our_pointwise_kernels_decode_on_replayed_graphs_as_the_compiled_functions(tiny_models: Path) -> None:
+    """In bfloat16 on replayed graphs, a decoder with our rotary and SiLU x up kernels emits the tokens of one
+    with the compiled functions (the kernels are bit-equal to eager; SiLU may differ where exp's last bit tips
+    a rounding, so log-probabilities are compared closely, tokens exactly)."""
+    from worker.fastpath import StaticDecoder
+
+    path = tiny_models / "models-bf16-gpu.toml"
+    path.write_text(tiny_config(tiny_models, "none").path.read_text().replace('"float32"', '"bfloat16"'))
+    from worker.config import load_config
+
+    engine = Engine(load_config(path), device="cuda", decode="auto")
+    (base,), (plain,) = engine.bases.values(), engine.decoders.values()
+    ours = StaticDecoder(base.model, torch.device("cuda"), use_graphs=True, pointwise_kernels=True)
+    assert ours.stack.ops.kernels and plain.use_graphs
+    prompts = ["Approve a loan of 12000?", "Income 52000, debt low.", "x", "Step 1: check income " * 5]
+    ids = [base.tokenizer(p).input_ids for p in prompts]
+    kw = {"stop_ids": [-1], "pad_id": base.tokenizer.pad_token_id, "select": lambda n: select_adapters(base, n)}
+    for adapters in (["kev"], ["kev", "laya"]):
+        rows = [DecodeRow(ids=r, max_new=12, adapter=adapters[i % len(adapters)]) for i, r in enumerate(ids)]
+        want = plain.decode(rows, **kw)
+        for _ in range(2):  # captured, then replayed
+            got = ours.decode(rows, **kw)
+            assert torch.equal(got.tokens, want.tokens), adapters
+            torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0.02, atol=0.02)

@@ -116,12 +116,9 @@ class Ops:
         """HF's rotary embedding of `qk` (rows, T, heads, D) by cos/sin (rows or 1, T, D), handed back as
         (rows, heads, T, D). Our kernel reads the tokens-first layout the projection wrote; the compiled
         function runs on the heads-first view (on the tokens-first one its decode step took twice as long)."""
-        if self._ours(qk.shape[0] * qk.shape[1]) and pointwise.rope_fits(qk):
+        if self.kernels and qk.shape[0] * qk.shape[1] <= KERNEL_TOKENS and pointwise.rope_fits(qk):
             return pointwise.rope(qk, cos, sin).transpose(1, 2)
         return self.rotary(qk.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))
-
-    def _ours(self, tokens: int) -> bool:
-        return self.kernels and tokens <= KERNEL_TOKENS
 
     def norm(self, norm: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         if isinstance(norm, RMSNorm):
@@ -140,7 +137,9 @@ class Ops:
         self, act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor
     ) -> torch.Tensor:
         if isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation":
-            return pointwise.silu_mul(gate, up) if self._ours(gate[..., 0].numel()) else self.silu_mul(gate, up)
+            if self.kernels and gate.numel() // gate.shape[-1] <= KERNEL_TOKENS:
+                return pointwise.silu_mul(gate, up)
+            return self.silu_mul(gate, up)
         return act(gate) * up
 
 
