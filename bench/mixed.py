@@ -238,6 +238,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload's size")
     parser.add_argument("--only", default="", help="comma-separated workloads (default: all)")
     parser.add_argument("--nightly-tokens-per-s", type=float, default=None, help="for the ratio column")
+    parser.add_argument(
+        "--pointwise-kernels", action="store_true", help="the worker runs with --pointwise-kernels (named in each row)"
+    )
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     out_dir = Path(args.out)
@@ -254,6 +257,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cmd = [*WORKER_CMD, "--redis-url", server.url, "worker", "--config", str(config), "--device", args.device]
         if args.memory_budget:
             cmd += ["--memory-budget", args.memory_budget]
+        if args.pointwise_kernels:
+            cmd += ["--pointwise-kernels"]
         with log_path.open("wb") as log_file:
             worker = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
             try:
@@ -292,7 +297,8 @@ def _row(name: str, r: dict[str, Any], args: argparse.Namespace, argv: list[str]
         f"{r['oom']} OOM, {r['captures']} captures, {r['errors']} errors, {peak}"
     )
     hardware = f"{args.device} budget {args.memory_budget or 'GPU total - 512 MiB (worker default)'}"
-    model = f"{args.shape or 'default'} shape NF4, `kevlaya worker` defaults (+ `--memory-budget` if given)"
+    changed = " + `--pointwise-kernels`" if args.pointwise_kernels else ""
+    model = f"{args.shape or 'default'} shape NF4, `kevlaya worker` defaults (+ `--memory-budget` if given){changed}"
     return f"| mixed/{name} | {hardware} | {model} | {figures} | `python -m bench mixed {' '.join(argv)}` |"
 
 

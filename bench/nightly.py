@@ -332,6 +332,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--skip", default="", help="comma list of parts to skip: nightly,interactive,seed,queue,sweep")
     parser.add_argument("--decode", default="auto", choices=["auto", "eager", "static"], help="decode path")
     parser.add_argument("--no-compile", action="store_true", help="the loop's fused elementwise steps run eagerly")
+    parser.add_argument(
+        "--pointwise-kernels", action="store_true", help="the decode step's rotary and SiLU x up by our Triton kernels"
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile the nightly drain (written beside the JSON)")
     parser.add_argument("--out", default="bench/out")
     parser.add_argument("--verbose", action="store_true", help="log each batch of the decode loop (rows, phases)")
@@ -361,12 +364,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             max_batch_rows=512,
             decode=args.decode,
             compile_ops=not args.no_compile,
+            pointwise_kernels=args.pointwise_kernels,
         )
         if args.prefill_group_tokens is not None:
             for decoder in engine.decoders.values():
                 decoder.prefill.group_tokens = args.prefill_group_tokens  # read by each take and each plan
         graphs = any(d.use_graphs for d in engine.decoders.values())
         report["decode"] = ("static+graphs" if graphs else "static") if engine.decoders else "HF generate"
+        if args.pointwise_kernels:
+            report["decode"] += " with our rotary and SiLU x up kernels"
         jobs = workload(args.items, args.escalation_rate, tokenizer=tokenizer(engine))
         if "nightly" not in skip:
             report["nightly"] = nightly(redis, engine, jobs, out_dir, args.profile)

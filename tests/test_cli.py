@@ -102,7 +102,7 @@ def test_worker_help_names_the_fast_path_switches() -> None:
     from worker.cli import worker_command
 
     out = CliRunner().invoke(worker_command, ["--help"]).output
-    assert "--decode" in out and "--no-compile" in out
+    assert "--decode" in out and "--no-compile" in out and "--pointwise-kernels" in out
 
 
 def test_worker_commands_come_from_entry_points_and_hide_without_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,3 +119,26 @@ def test_worker_commands_come_from_entry_points_and_hide_without_the_extra(monke
     assert "  worker " not in listed and "  submit " in listed
     out = runner.invoke(cli, ["worker", "--config", "x.toml"])
     assert out.exit_code != 0 and "needs the worker extra: pip install 'kevlaya[worker]'" in out.output
+
+
+def test_worker_pointwise_kernels_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`kevlaya worker --pointwise-kernels` builds its engine with our kernels asked for (off without the flag)."""
+    import worker.config
+    import worker.engine
+    from worker.cli import worker_command
+
+    seen: list[bool] = []
+
+    class Stop(Exception):
+        pass
+
+    def engine(*args: object, pointwise_kernels: bool = False, **kwargs: object) -> None:
+        seen.append(pointwise_kernels)
+        raise Stop
+
+    monkeypatch.setattr(worker.config, "load_config", lambda path: object())
+    monkeypatch.setattr(worker.engine, "Engine", engine)
+    for args, want in ((["--pointwise-kernels"], True), ([], False)):
+        result = CliRunner().invoke(worker_command, ["--config", str(tmp_path / "models.toml"), *args])
+        assert isinstance(result.exception, Stop), result.output
+        assert seen.pop() is want

@@ -142,18 +142,18 @@ def test_captures_do_not_leave_memory_behind_once_their_graphs_are_gone(tiny_mod
 
 def test_our_pointwise_kernels_decode_on_replayed_graphs_as_the_compiled_functions(tiny_models: Path) -> None:
     """In bfloat16 on replayed graphs, a decoder with our rotary and SiLU x up kernels emits the tokens of one
-    with the compiled functions (the kernels are bit-equal to eager; SiLU may differ where exp's last bit tips
-    a rounding, so log-probabilities are compared closely, tokens exactly)."""
+    with the eager functions (both without torch.compile, whose kernels are not bit-equal to eager; ours are,
+    as `bench kernels` measured on the H200)."""
     from worker.fastpath import StaticDecoder
 
     path = tiny_models / "models-bf16-gpu.toml"
     path.write_text(tiny_config(tiny_models, "none").path.read_text().replace('"float32"', '"bfloat16"'))
     from worker.config import load_config
 
-    engine = Engine(load_config(path), device="cuda", decode="auto")
+    engine = Engine(load_config(path), device="cuda", decode="auto", compile_ops=False)
     (base,), (plain,) = engine.bases.values(), engine.decoders.values()
-    ours = StaticDecoder(base.model, torch.device("cuda"), use_graphs=True, pointwise_kernels=True)
-    assert ours.stack.ops.kernels and plain.use_graphs
+    ours = StaticDecoder(base.model, torch.device("cuda"), use_graphs=True, compile_ops=False, pointwise_kernels=True)
+    assert ours.stack.step_ops.kernels and plain.use_graphs and not plain.stack.step_ops.kernels
     prompts = ["Approve a loan of 12000?", "Income 52000, debt low.", "x", "Step 1: check income " * 5]
     ids = [base.tokenizer(p).input_ids for p in prompts]
     kw = {"stop_ids": [-1], "pad_id": base.tokenizer.pad_token_id, "select": lambda n: select_adapters(base, n)}
@@ -163,4 +163,4 @@ def test_our_pointwise_kernels_decode_on_replayed_graphs_as_the_compiled_functio
         for _ in range(2):  # captured, then replayed
             got = ours.decode(rows, **kw)
             assert torch.equal(got.tokens, want.tokens), adapters
-            torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0.02, atol=0.02)
+            torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0)

@@ -20,10 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_interpreted(script: str, *args: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -36,8 +37,9 @@ def test_rotary_is_bit_equal_and_silu_mul_matches_eager() -> None:
         torch.manual_seed(0)
         for dtype in (torch.float32, torch.float16):
             # q/k heads of a joint q/k/v output (strided rows), 14 heads (under one block) and 20 (over it);
-            # cos/sin shared by the rows (prefill) or one per row (decode).
-            for rows, length, heads, per_row in ((2, 5, 14, False), (3, 1, 14, True), (2, 3, 20, False)):
+            # cos/sin shared by the rows (prefill) or one per row (decode; several tokens: scoring's continuations).
+            shapes = ((2, 5, 14, False), (3, 1, 14, True), (2, 3, 14, True), (2, 3, 20, False))
+            for rows, length, heads, per_row in shapes:
                 joint = torch.randn(rows, length, (heads + 2) * 16).to(dtype)
                 qk = joint[..., : heads * 16].view(rows, length, heads, 16)
                 cos = torch.randn(rows if per_row else 1, length, 16).to(dtype)
@@ -58,9 +60,10 @@ def test_rotary_is_bit_equal_and_silu_mul_matches_eager() -> None:
     assert out.strip() == "ok"
 
 
-def test_the_loop_with_the_kernels_decodes_token_for_token_as_without(tiny_models: Path) -> None:
-    """Kev, Laya and mixed rows in float32: the same tokens and log-probabilities with the kernels (which the
-    step does call) as with the functions they replace."""
+def test_only_decode_steps_run_the_kernels_and_decode_token_for_token_as_without(tiny_models: Path) -> None:
+    """`Engine(pointwise_kernels=True)` (the worker's `--pointwise-kernels`): prefill (and a take of one new
+    token, prefill only) never calls the kernels -- the host issues each of its launches -- while decode steps
+    do, and Kev, Laya and mixed rows in float32 get the same tokens and log-probabilities as without them."""
     from tests.conftest import tiny_config
 
     config_path = tiny_config(tiny_models, "none").path
@@ -71,7 +74,7 @@ def test_the_loop_with_the_kernels_decodes_token_for_token_as_without(tiny_model
         from tests.test_fastpath import PROMPTS
         from worker.config import load_config
         from worker.engine import Engine
-        from worker.fastpath import DecodeRow, StaticDecoder, pointwise
+        from worker.fastpath import DecodeRow, pointwise
         from worker.loading import select_adapters
 
         calls = {"rope": 0, "silu_mul": 0}
@@ -80,18 +83,23 @@ def test_the_loop_with_the_kernels_decodes_token_for_token_as_without(tiny_model
                 calls[_name] += 1
                 return _fn(*args)
             setattr(pointwise, name, counted)
-        engine = Engine(load_config(sys.argv[1]), device="cpu", decode="static")
-        (base,), (plain,) = engine.bases.values(), engine.decoders.values()
-        ours = StaticDecoder(base.model, torch.device("cpu"), use_graphs=False, pointwise_kernels=True)
-        assert ours.stack.ops.kernels and not plain.stack.ops.kernels
+        config = load_config(sys.argv[1])
+        plain_engine = Engine(config, device="cpu", decode="static")
+        ours_engine = Engine(config, device="cpu", decode="static", bases=plain_engine.bases, pointwise_kernels=True)
+        (base,), (plain,) = plain_engine.bases.values(), plain_engine.decoders.values()
+        (ours,) = ours_engine.decoders.values()
+        assert ours.stack.step_ops.kernels and not ours.stack.ops.kernels and not plain.stack.step_ops.kernels
+        kw = {"stop_ids": [-1], "pad_id": base.tokenizer.pad_token_id, "select": lambda n: select_adapters(base, n)}
+        ids = [base.tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(5)]
+        ours.decode([DecodeRow(ids=r, max_new=1, adapter="kev") for r in ids], **kw)
+        assert calls == {"rope": 0, "silu_mul": 0}, calls
         for adapters in (["kev"], ["laya"], ["kev", "laya"]):
-            ids = [base.tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(5)]
             rows = [DecodeRow(ids=r, max_new=6, adapter=adapters[i % len(adapters)]) for i, r in enumerate(ids)]
-            kw = {"stop_ids": [-1], "pad_id": base.tokenizer.pad_token_id, "select": lambda n: select_adapters(base, n)}
             a, b = ours.decode(rows, **kw), plain.decode(rows, **kw)
             assert torch.equal(a.tokens, b.tokens), adapters
             torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-6, atol=1e-6)
-        assert calls["rope"] > 0 and calls["silu_mul"] > 0, calls
+        layers = len(ours.stack.layers)
+        assert calls["rope"] == calls["silu_mul"] == 3 * 5 * layers, calls  # 5 steps after the first token, x3
         print("ok", calls)
     """,
         str(config_path),

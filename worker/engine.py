@@ -72,6 +72,7 @@ class Engine:
         bases: dict[str, LoadedBase] | None = None,
         decode: str = "auto",
         compile_ops: bool = True,
+        pointwise_kernels: bool = False,
     ) -> None:
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
@@ -91,7 +92,9 @@ class Engine:
         self.phase_s: Counter[str] = Counter()  # seconds spent encoding prompts and building outputs
         self._longest_prompt: dict[str, int] = {}  # per model, in its last batch: sizes the worker's take
         self._logged_takes: dict[str, tuple[int, int]] = {}  # per model: the take size last logged, and its prompts
-        self.loops = StaticLoops(self.bases, decode=decode, device=self.device, compile_ops=compile_ops)
+        self.loops = StaticLoops(
+            self.bases, decode=decode, device=self.device, compile_ops=compile_ops, pointwise_kernels=pointwise_kernels
+        )
         self.decoders: dict[str, StaticDecoder] = self.loops.decoders  # by base; a base without one: HF generate
         self.guard = OomGuard(self.loops.release)
         # After the loops: they keep float32 4-bit scales resident.

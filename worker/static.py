@@ -30,11 +30,21 @@ T = TypeVar("T")
 class StaticLoops:
     """The bases' static loops by base name (`decoders`; a base without one runs on HF generate)."""
 
-    def __init__(self, bases: dict[str, LoadedBase], *, decode: str, device: torch.device, compile_ops: bool) -> None:
+    def __init__(
+        self,
+        bases: dict[str, LoadedBase],
+        *,
+        decode: str,
+        device: torch.device,
+        compile_ops: bool,
+        pointwise_kernels: bool = False,
+    ) -> None:
         self.device = device
         self.decoders: dict[str, StaticDecoder] = {}
         for name, base in bases.items():
-            decoder = static_decoder(name, base, decode=decode, device=device, compile_ops=compile_ops)
+            decoder = static_decoder(
+                name, base, decode=decode, device=device, compile_ops=compile_ops, pointwise_kernels=pointwise_kernels
+            )
             if decoder is not None:
                 self.decoders[name] = decoder
 
@@ -83,7 +93,13 @@ class StaticLoops:
 
 
 def static_decoder(
-    name: str, base: LoadedBase, *, decode: str, device: torch.device, compile_ops: bool
+    name: str,
+    base: LoadedBase,
+    *,
+    decode: str,
+    device: torch.device,
+    compile_ops: bool,
+    pointwise_kernels: bool = False,
 ) -> StaticDecoder | None:
     """The base's static loop, or None where it runs on HF generate (the mode says so, or the model is not one the
     loop supports)."""
@@ -95,7 +111,9 @@ def static_decoder(
         return None
     graphs = decode == "auto" and device.type == "cuda"
     log.info("decode: static KV cache %s for base %s", "with CUDA graphs" if graphs else "without graphs", name)
-    return StaticDecoder(base.model, device, use_graphs=graphs, compile_ops=compile_ops)
+    return StaticDecoder(
+        base.model, device, use_graphs=graphs, compile_ops=compile_ops, pointwise_kernels=pointwise_kernels
+    )
 
 
 def warm_up(

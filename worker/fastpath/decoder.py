@@ -240,7 +240,7 @@ class StaticDecoder:
         cos, sin = s.rotary(h, state.pos)
         x = s.ops.norm(s.layers[0].norm1, h)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(s.layers, state.kv, strict=True)):
-            q, k, v = s.qkv(layer, x, masks, cos, sin)
+            q, k, v = s.qkv(layer, x, masks, cos, sin, ops=s.step_ops)
             k_cache.index_copy_(2, state.cache_pos, k)
             v_cache.index_copy_(2, state.cache_pos, v)
             # Query length 1: the query heads sharing a KV head become that head's query rows -- GQA with no
@@ -248,7 +248,7 @@ class StaticDecoder:
             q = q.reshape(rows, s.kv_heads, s.groups, s.head_dim)
             out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=state.mask, scale=layer.scaling)
             attn = out.reshape(rows, 1, s.heads * s.head_dim)
-            h, x = s.rest(layer, h, attn, masks, s.next_norm(i))
+            h, x = s.rest(layer, h, attn, masks, s.next_norm(i), ops=s.step_ops)
         return s.head(x)[:, 0]
 
     def _step(self, state: State, masks: Masks) -> None:

@@ -8,6 +8,7 @@ RMSNorm's statistics use torch's fused kernel. Also the attention helpers prefil
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 from collections.abc import Callable
@@ -91,19 +92,14 @@ class Fused:
         return self.fn(*args)
 
 
-# With `Ops(kernels=True)`, rotary and SiLU x up run by our kernels (`pointwise`) for calls of at most this many
-# tokens: a decode step's rows, replayed from a graph, where a launch costs the host nothing. A prefill chunk's
-# calls are issued by the host one by one, and there our launches cost more host time than the compiled
-# kernels' (on the H200 prefill GPU time fell from 291 to 245 ms for 42k prompt tokens, yet prefill, already
-# waiting on the host, slowed from ~123k to ~106k tok/s in `bench fastpath`).
-KERNEL_TOKENS = 512
-
-
 class Ops:
     """The fused elementwise steps of a layer, compiled or eager (see `Fused`); with `kernels`, rotary and SiLU
-    x up of a decode step's few tokens by our own Triton kernels (`pointwise`, `KERNEL_TOKENS`). Off by
-    default: their GPU time is 2-15x lower and bit-equal to eager, but the end-to-end runs on the H200 have not
-    shown a gain yet (`bench fastpath --pointwise-kernels` compares)."""
+    x up by our own Triton kernels (`pointwise`) instead. The stack hands a kernels copy (`with_kernels`) only
+    to the decode step, which a graph replays: there a launch costs the host nothing, while prefill and
+    scoring issue every launch from the host, where ours cost more than the compiled kernels'. Opt-in: on the
+    H200 the kernels are bit-equal to eager and 1.7-14x faster on GPU time, but the one end-to-end run with
+    them (on every call of up to 512 tokens, scoring and small prefill chunks included) was slower
+    (`bench/RESULTS.md`)."""
 
     def __init__(self, compiled: bool, kernels: bool = False) -> None:
         self.add_rms = Fused(add_rms, compiled)
@@ -112,11 +108,17 @@ class Ops:
         self.silu_mul = Fused(silu_mul, compiled)
         self.kernels = kernels
 
+    def with_kernels(self) -> Ops:
+        """This set with our rotary and SiLU x up kernels, sharing the compiled functions (compiled once)."""
+        ops = copy.copy(self)
+        ops.kernels = True
+        return ops
+
     def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """HF's rotary embedding of `qk` (rows, T, heads, D) by cos/sin (rows or 1, T, D), handed back as
         (rows, heads, T, D). Our kernel reads the tokens-first layout the projection wrote; the compiled
-        function runs on the heads-first view (on the tokens-first one its decode step took twice as long)."""
-        if self.kernels and qk.shape[0] * qk.shape[1] <= KERNEL_TOKENS and pointwise.rope_fits(qk):
+        function runs on the heads-first view, the layout every measurement of the loop was taken on."""
+        if self.kernels and pointwise.rope_fits(qk):
             return pointwise.rope(qk, cos, sin).transpose(1, 2)
         return self.rotary(qk.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))
 
@@ -137,9 +139,7 @@ class Ops:
         self, act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor
     ) -> torch.Tensor:
         if isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation":
-            if self.kernels and gate.numel() // gate.shape[-1] <= KERNEL_TOKENS:
-                return pointwise.silu_mul(gate, up)
-            return self.silu_mul(gate, up)
+            return pointwise.silu_mul(gate, up) if self.kernels else self.silu_mul(gate, up)
         return act(gate) * up
 
 

@@ -1,11 +1,11 @@
 """Rotary embedding and SiLU x up as hand-written Triton kernels, with eager's rounding.
 
-torch.compile'd with dynamic shapes (the loop's steps come in many widths), both index every element through
-divisions by the symbolic sizes: on the H200 the rotary kernel ran at ~1/17 of its bandwidth bound, SiLU x up
-at ~1/2 (in prefill chunks, 11% of GPU time each). Here one program covers a token's heads (rotary) or a block
-of a token's features (SiLU x up), offsets from the strides. Measured (`python -m bench kernels`), 28 calls:
-rotary 3.0 -> 0.20 ms and SiLU x up 3.1 -> 1.5 ms at a 4,096-token chunk, 0.13 -> 0.05 and 0.24 -> 0.14 ms at
-256 decode rows.
+torch.compile'd with dynamic shapes (the loop's steps come in many widths), on the H200 the rotary kernel ran
+at ~1/17 of its bandwidth bound and SiLU x up at ~1/2 (in prefill chunks, 11% of GPU time each; the likely
+cause, not confirmed, is per-element index arithmetic over the symbolic sizes). Here one program covers a
+token's heads (rotary) or a block of a token's features (SiLU x up), with offsets from the strides. Measured
+(`python -m bench kernels`), 28 calls: rotary 3.0 -> 0.21 ms and SiLU x up 3.1 -> 1.5 ms at a 4,096-token
+chunk, 0.13 -> 0.05 and 0.24 -> 0.14 ms at 256 decode rows.
 
 Rounding is eager's: rotary rounds each product to the compute dtype, then the sum (compiled without
 multiply-add contraction, which rounds once: bit-equal to eager on the H200); SiLU uses IEEE exp and division
@@ -99,6 +99,7 @@ def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def rope_fits(qk: torch.Tensor) -> bool:
+    """Whether `rope` can take `qk`: its head dimension contiguous and a power of two (one `tl.arange` spans it)."""
     dim = qk.shape[-1]
     return qk.stride(-1) == 1 and dim >= 2 and dim & (dim - 1) == 0
 

@@ -376,8 +376,10 @@ class Stack:
         self.device = self.embed.weight.device
         # Residual adds with the norms after them, rotary, SiLU x up: one compiled kernel each (bf16/fp16 on a GPU).
         compiled = compile_ops and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
-        # pointwise_kernels: rotary and SiLU x up of decode steps by our Triton kernels (`Ops`; for comparisons).
-        self.ops = Ops(compiled, kernels=pointwise_kernels and pointwise.available(self.device, self.dtype))
+        self.ops = Ops(compiled)
+        # pointwise_kernels: the decode step's rotary and SiLU x up by our Triton kernels (see `Ops`).
+        ours = pointwise_kernels and pointwise.available(self.device, self.dtype)
+        self.step_ops = self.ops.with_kernels() if ours else self.ops
         # fuse_lora=False keeps PEFT's float32 LoRA arithmetic in bf16/fp16 models too (slower; for comparisons).
         # join_projections=False runs q/k/v and gate/up as separate matmuls (for comparisons).
         layers = lm.model.layers[: cfg.num_hidden_layers]
@@ -403,9 +405,10 @@ class Stack:
         cos: torch.Tensor,
         sin: torch.Tensor,
         dense: Dense = NO_DENSE,
+        ops: Ops | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows, heads, T, D) queries and (rows, kv_heads, T, D) keys/values of the normed input `x`, rotary
-        applied as HF applies it."""
+        applied as HF applies it (by `ops`, default the stack's own)."""
         rows, width = x.shape[:2]
         (q, k, v), joint = layer.qkv(x, masks, dense[0])
         v = v.reshape(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -413,7 +416,7 @@ class Stack:
         # concatenation.
         qk_width = (self.heads + self.kv_heads) * self.head_dim
         qk = joint[..., :qk_width] if joint is not None else torch.cat((q, k), dim=-1)
-        qk = self.ops.rope(qk.view(rows, width, self.heads + self.kv_heads, self.head_dim), cos, sin)
+        qk = (ops or self.ops).rope(qk.view(rows, width, self.heads + self.kv_heads, self.head_dim), cos, sin)
         return qk[:, : self.heads], qk[:, self.heads :], v
 
     def rest(
@@ -424,9 +427,11 @@ class Stack:
         masks: Masks,
         next_norm: Callable[[torch.Tensor], torch.Tensor],
         dense: Dense = NO_DENSE,
+        ops: Ops | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after attention -- output projection and residual, the MLP and its residual -- and the
-        next norm's output (each residual add fused with the norm after it)."""
-        h, x = self.ops.add_norm(h, layer.o(attn, masks, dense[1]), layer.norm2)
+        next norm's output (each residual add fused with the norm after it; by `ops`, default the stack's own)."""
+        ops = ops or self.ops
+        h, x = ops.add_norm(h, layer.o(attn, masks, dense[1]), layer.norm2)
         (gate, up), _ = layer.gate_up(x, masks, dense[2])
-        return self.ops.add_norm(h, layer.down(self.ops.act_mul(layer.act, gate, up), masks, dense[3]), next_norm)
+        return ops.add_norm(h, layer.down(ops.act_mul(layer.act, gate, up), masks, dense[3]), next_norm)
