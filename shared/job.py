@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import orjson
@@ -114,7 +114,12 @@ class Job:
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready payload, without fields left at their empty defaults."""
         out: dict[str, Any] = {}
-        for key, value in asdict(self).items():
+        # Field by field, not `asdict`: its deep copy of every value was a third of `submit`'s own time (600
+        # jobs); the payload is serialised at once, so sharing `input` and `meta` with the job is safe.
+        for field in fields(self):
+            key, value = field.name, getattr(self, field.name)
+            if isinstance(value, Parent):
+                value = asdict(value)
             if value is None or (key in ("truncate", "logprobs") and value is False):
                 continue
             if (key, value) in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("top_logprobs", 0)):
