@@ -519,6 +519,38 @@ def test_a_fused_op_that_fails_to_compile_runs_eagerly_from_then_on(caplog: pyte
         op(gate, up)
 
 
+def test_our_kernels_that_fail_hand_over_to_the_compiled_functions_for_good(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Triton build or launch failure of our rotary / SiLU x up kernels (opt-in) is logged once and the
+    step goes on with the compiled (here eager) functions; running out of memory is not swallowed."""
+    from worker.fastpath import ops, pointwise
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("no Triton here")
+
+    monkeypatch.setattr(pointwise, "rope", broken)
+    monkeypatch.setattr(pointwise, "silu_mul", broken)
+    step = ops.Ops(compiled=False).with_kernels()
+    qk, cos, sin = torch.randn(2, 3, 4, 8), torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    with caplog.at_level(logging.ERROR, logger="kevlaya.fastpath"):
+        got = step.rope(qk, cos, sin)
+    torch.testing.assert_close(got, ops.rope(qk.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1)), rtol=0, atol=0)
+    assert not step.kernels and "our broken kernel failed" in caplog.text
+    gate, up = torch.randn(3, 4), torch.randn(3, 4)
+    step.kernels = True
+    torch.testing.assert_close(step.act_mul(torch.nn.SiLU(), gate, up), ops.silu_mul(gate, up), rtol=0, atol=0)
+    assert not step.kernels
+
+    def out_of_memory(*args: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(pointwise, "silu_mul", out_of_memory)
+    step.kernels = True
+    with pytest.raises(torch.OutOfMemoryError):
+        step.act_mul(torch.nn.SiLU(), gate, up)
+
+
 def test_a_joined_group_skips_an_adapter_none_of_its_members_has() -> None:
     """An adapter that targets other modules only (Laya on the MLP, say) adds nothing to this group."""
     from worker.fastpath.weights import Group, Proj

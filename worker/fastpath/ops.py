@@ -119,8 +119,22 @@ class Ops:
         (rows, heads, T, D). Our kernel reads the tokens-first layout the projection wrote; the compiled
         function runs on the heads-first view, the layout every measurement of the loop was taken on."""
         if self.kernels and pointwise.rope_fits(qk):
-            return pointwise.rope(qk, cos, sin).transpose(1, 2)
+            out = self._ours(pointwise.rope, qk, cos, sin)
+            if out is not None:
+                return out.transpose(1, 2)
         return self.rotary(qk.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))
+
+    def _ours(self, kernel: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor | None:
+        """`kernel(*args)`, or None once it failed (logged once; the compiled or eager functions compute the
+        same from then on). The first call of each is in the engine's warm-up, outside any graph capture."""
+        try:
+            return kernel(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception:  # a Triton build or launch failure on this device: ours are an optional speed-up
+            log.exception("fast path: our %s kernel failed; using the compiled functions from now on", kernel.__name__)
+            self.kernels = False
+            return None
 
     def norm(self, norm: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         if isinstance(norm, RMSNorm):
@@ -139,7 +153,8 @@ class Ops:
         self, act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor
     ) -> torch.Tensor:
         if isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation":
-            return pointwise.silu_mul(gate, up) if self.kernels else self.silu_mul(gate, up)
+            out = self._ours(pointwise.silu_mul, gate, up) if self.kernels else None
+            return out if out is not None else self.silu_mul(gate, up)
         return act(gate) * up
 
 
