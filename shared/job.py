@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -12,6 +12,7 @@ from shared import SCHEMA_VERSION
 from shared import models as known_models
 from shared.errors import ValidationError
 from shared.keys import BULK, LANES, QueueRef
+from shared.records import field_items
 
 KIB = 1024
 
@@ -114,12 +115,7 @@ class Job:
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready payload, without fields left at their empty defaults."""
         out: dict[str, Any] = {}
-        # Field by field, not `asdict`: its deep copy of every value was a third of `submit`'s own time (600
-        # jobs); the payload is serialised at once, so sharing `input` and `meta` with the job is safe.
-        for field in fields(self):
-            key, value = field.name, getattr(self, field.name)
-            if isinstance(value, Parent):
-                value = asdict(value)
+        for key, value in field_items(self):
             if value is None or (key in ("truncate", "logprobs") and value is False):
                 continue
             if (key, value) in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("top_logprobs", 0)):

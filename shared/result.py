@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from shared import SCHEMA_VERSION
+from shared.records import field_items
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,7 +83,7 @@ class Result:
         return self.error is None
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in field_items(self) if v is not None}
 
     def to_json(self) -> bytes:
         return orjson.dumps(self.to_dict())

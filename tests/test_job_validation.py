@@ -98,23 +98,3 @@ def test_system_fields_refused_from_users_but_accepted_from_the_queue() -> None:
     with pytest.raises(ValidationError, match="unknown field"):
         Job.from_dict({**BASE, "batch": "b1"})
     assert Job.from_dict({**BASE, "batch": "b1"}, allow_system=True).batch == "b1"
-
-
-def test_a_follow_up_with_every_field_round_trips_and_its_payload_is_plain_json() -> None:
-    """The payload is built field by field (not `asdict`): the parent becomes a plain mapping, nested values
-    (input, meta) go out as they are, and the job comes back equal."""
-    from dataclasses import replace
-
-    from shared.job import Parent
-
-    job = Job.from_dict(
-        {**BASE, "input": {"income": "52000"}, "prompt": None, "meta": {"k": [1, {"z": 2}]}, "truncate": True,
-         "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 3,
-         "escalate": 0.5, "max_new_tokens": 9, "lane": "bulk"}
-    )  # fmt: skip
-    parent = Parent(job_id="j", model="laya", text="t", decision=None, confidence=0.4)
-    follow = replace(job, choices=("a", "b"), parent=parent)  # a choice job's follow-up generates
-    payload = follow.to_dict()
-    assert payload["parent"] == {"job_id": "j", "model": "laya", "text": "t", "decision": None, "confidence": 0.4}
-    assert payload["choices"] == ["a", "b"] and payload["meta"] == {"k": [1, {"z": 2}]}
-    assert Job.from_json(follow.to_json()) == follow
