@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from worker.config import EscalationRule
@@ -66,3 +70,51 @@ def test_a_follow_up_keeps_the_items_logprobs_request() -> None:
     job = Job(custom_id="a", model="laya", prompt="p", logprobs=True, top_logprobs=2)
     entry = follow_up(job, Result(custom_id="a", model="laya", job_id="j1", text="not sure"), "kev")
     assert (entry.job.model, entry.job.logprobs, entry.job.top_logprobs) == ("kev", True, 2)
+
+
+def _scanned_span(ids: list[int], decode: Any, prefix: str | None) -> tuple[str | None, int, int]:
+    """The decision span found by scanning token by token (what `decision_span` bisects): the reference."""
+    if not ids:
+        return None, 0, 0
+    text = decode(ids)
+    start = 0
+    if prefix and prefix in text:
+        k = len(ids) - 1
+        while k > 0 and prefix not in decode(ids[k:]):
+            k -= 1
+        start = k
+        while start < len(ids) and prefix not in decode(ids[k : start + 1]):
+            start += 1
+        start += 1
+    while start < len(ids) and not decode(ids[start : start + 1]).strip():
+        start += 1
+    stop = start
+    while stop < len(ids) and "\n" not in decode(ids[start : stop + 1]):
+        stop += 1
+    return decode(ids[start:stop]).strip() or None, start, stop
+
+
+def test_bisected_decision_spans_equal_a_token_by_token_scan(tiny_models: Path) -> None:
+    """With a real byte-level tokeniser (random tokens split multi-byte characters and leave stray bytes),
+    prefixes (ASCII and not) anywhere, several of them, line breaks and blanks: the same span as a scan."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_models / "base")
+    rng = random.Random(7)
+    pieces = [tok(s).input_ids for s in ("Decision: approve\n", "Décision : refuser\n", "\n", "  ", "é", "done")]
+    for trial in range(400):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.choice((0, 1, 5, 32, 128)))]
+        for _ in range(rng.randrange(3)):
+            at = rng.randrange(len(ids) + 1)
+            ids[at:at] = rng.choice(pieces)
+        prefix = rng.choice(("Decision:", "Décision :", None))
+        assert decision_span(ids, tok.decode, prefix) == _scanned_span(ids, tok.decode, prefix), (trial, ids)
+    # Tokens that hold a line break beside text, and prefixes split across tokens or whole in one.
+    vocab = ["Deci", "sion", ":", "Decision:", " ok", "ok\nno", "\n", " ", "x", "y\n"]
+
+    def fake(ids: list[int]) -> str:
+        return "".join(vocab[i] for i in ids)
+
+    for trial in range(400):
+        ids = [rng.randrange(len(vocab)) for _ in range(rng.randrange(12))]
+        assert decision_span(ids, fake, "Decision:") == _scanned_span(ids, fake, "Decision:"), (trial, ids)

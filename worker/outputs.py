@@ -100,27 +100,37 @@ def decision_span(
     ids: list[int], decode: Callable[[list[int]], str], prefix: str | None
 ) -> tuple[str | None, int, int]:
     """(decision text, first token, end token) of the decision: the line after the last `prefix`, else the
-    first line. Token bounds are found by decoding growing spans, so multi-byte characters stay whole."""
+    first line. Token bounds are found by decoding spans, so multi-byte characters stay whole.
+
+    Each bound is the first span length at which the decoded span holds the prefix (or a line break): once a
+    span holds it, every longer span does (decoding more tokens only appends text), so each is found by
+    bisection -- O(log n) decodes where a scan took O(n), ~0.4 ms a row on 32-128-token answers."""
     if not ids:
         return None, 0, 0
-    text = decode(ids)
+    n = len(ids)
     start = 0
-    if prefix and prefix in text:
-        k = len(ids) - 1
-        while k > 0 and prefix not in decode(ids[k:]):
-            k -= 1
-        start = k
-        while start < len(ids) and prefix not in decode(ids[k : start + 1]):
-            start += 1
-        start += 1
-    while start < len(ids) and not decode(ids[start : start + 1]).strip():
+    if prefix and prefix in decode(ids):
+        # The last token whose suffix still holds the prefix (a scan from the end stopped at the first such).
+        k = _first(1, n, lambda i: prefix not in decode(ids[i:])) - 1
+        start = _first(k, n, lambda i: prefix in decode(ids[k : i + 1])) + 1
+    while start < n and not decode(ids[start : start + 1]).strip():
         start += 1  # whitespace between the prefix and the label is not part of the decision
-    stop = start
-    while stop < len(ids) and "\n" not in decode(ids[start : stop + 1]):
-        stop += 1
-    # `stop` now indexes the token holding the line break (or len(ids)): the span is [start, stop).
+    # The token holding the line break (or n): the span is [start, stop).
+    stop = _first(start, n, lambda i: "\n" in decode(ids[start : i + 1]))
     decision = decode(ids[start:stop]).strip() or None
     return decision, start, stop
+
+
+def _first(lo: int, hi: int, holds: Callable[[int], bool]) -> int:
+    """The least i in [lo, hi) with `holds(i)`, for a `holds` false up to some i and true from there; hi when it
+    never holds."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 # ---- per-token logprobs (OpenAI's `logprobs.content`) ----------------------------------------------
