@@ -163,11 +163,14 @@ class Settler:
     def _mark_running(self, rows: Sequence[Row]) -> None:
         """Add runnable jobs to their batch's running set (writing the result removes them), so `kevlaya
         status` counts what is running."""
+        running: dict[str, list[str]] = {}
+        for row in rows:
+            if row.job is not None and row.job.batch:
+                running.setdefault(row.job.batch, []).append(row.raw.id)
         with self.redis.pipeline(transaction=False) as pipe:
-            for row in rows:
-                if row.job is not None and row.job.batch:
-                    pipe.sadd(self.keys.batch_running(row.job.batch), row.raw.id)  # fails alone if not a set
-                    pipe.expire(self.keys.batch_running(row.job.batch), self.enqueue.ttl_s)
+            for batch, ids in running.items():  # one SADD and one EXPIRE a batch, not a job
+                pipe.sadd(self.keys.batch_running(batch), *ids)  # fails alone (this batch) if not a set
+                pipe.expire(self.keys.batch_running(batch), self.enqueue.ttl_s)
             pipe.execute(raise_on_error=False)
 
     def _closed(self, row: Row, job: Job, error_type: str, message: str) -> Row:
