@@ -156,15 +156,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = load_config(path)
     eager = TokenRecorder(config, device=args.device, memory_budget_bytes=budget, max_batch_rows=512, decode="eager")
     static = TokenRecorder(
-        config, device=args.device, memory_budget_bytes=budget, max_batch_rows=512, decode="auto", bases=eager.bases
+        config,
+        device=args.device,
+        memory_budget_bytes=budget,
+        max_batch_rows=512,
+        decode="auto",
+        bases=eager.bases,
+        pointwise_kernels=args.pointwise_kernels,
     )
-    if args.exact_lora or args.pointwise_kernels:
+    if args.exact_lora:
         for name, decoder in static.decoders.items():
             static.decoders[name] = StaticDecoder(
                 static.bases[name].model,
                 static.device,
                 use_graphs=decoder.use_graphs,
-                fuse_lora=not args.exact_lora,
+                fuse_lora=False,
                 pointwise_kernels=args.pointwise_kernels,
             )
     tok = eager.base_for("laya").tokenizer
@@ -202,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             max_batch_rows=512,
             decode="static",
             bases=eager.bases,
+            pointwise_kernels=args.pointwise_kernels,
         )
         kernel_profile(static, [replace(j, max_new_tokens=1) for j in nightly_like], out_dir, "prefill")
         # Decode-heavy (17 new tokens per row): the table is mostly the loop's decode step, run without graphs.
