@@ -9,6 +9,7 @@ decoded from.
 
 from __future__ import annotations
 
+import bisect
 import re
 import weakref
 from collections.abc import Callable
@@ -124,13 +125,7 @@ def decision_span(
 def _first(lo: int, hi: int, holds: Callable[[int], bool]) -> int:
     """The least i in [lo, hi) with `holds(i)`, for a `holds` false up to some i and true from there; hi when it
     never holds."""
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if holds(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    return bisect.bisect_left(range(lo, hi), True, key=holds) + lo
 
 
 # ---- per-token logprobs (OpenAI's `logprobs.content`) ----------------------------------------------
