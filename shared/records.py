@@ -1,7 +1,7 @@
 """Frozen records as JSON-ready values without `dataclasses.asdict`'s deep copy of every field.
 
 `asdict` recurses into and copies every dict, list and nested record: for a batch's results that was a sixth of
-the worker's own time per take (4,000 no-op jobs, `tests`-sized results) and a third of `submit`'s. Payloads are
+the worker's own time per take (4,000 no-op jobs through the worker, profiled) and a third of `submit`'s. Payloads are
 serialised at once, so sharing a field's dict or list with the record is safe; only nested records are turned
 into dicts (as `asdict` does, so the JSON is the same).
 """
