@@ -1,4 +1,4 @@
-"""`python -m bench {engine|nightly|fastpath|mixed|multigpu|kernels|submit|soak|recovery} ...`: the benchmarks."""
+"""`python -m bench {engine|nightly|fastpath|mixed|multigpu|kernels|prefill|submit|soak|recovery} ...`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ def main() -> None:
         "mixed": "bench.mixed",
         "multigpu": "bench.multigpu",
         "kernels": "bench.kernels",
+        "prefill": "bench.prefill",
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(f"usage: python -m bench {{{'|'.join(commands)}}} [--help]", file=sys.stderr)

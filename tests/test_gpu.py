@@ -141,9 +141,9 @@ def test_captures_do_not_leave_memory_behind_once_their_graphs_are_gone(tiny_mod
 
 
 def test_our_pointwise_kernels_decode_on_replayed_graphs_as_the_compiled_functions(tiny_models: Path) -> None:
-    """In bfloat16 on replayed graphs, a decoder with our rotary and SiLU x up kernels emits the tokens of one
-    with the eager functions (both without torch.compile, whose kernels are not bit-equal to eager; ours are,
-    as `bench kernels` measured on the H200)."""
+    """In bfloat16 on replayed graphs, a decoder with our rotary and SiLU x up kernels (in its prefill and its
+    decode steps) emits the tokens of one with the eager functions (both without torch.compile, whose kernels
+    are not bit-equal to eager; ours are, as `bench kernels` measured on the H200)."""
     from worker.fastpath import StaticDecoder
 
     path = tiny_models / "models-bf16-gpu.toml"
@@ -153,7 +153,8 @@ def test_our_pointwise_kernels_decode_on_replayed_graphs_as_the_compiled_functio
     engine = Engine(load_config(path), device="cuda", decode="auto", compile_ops=False)
     (base,), (plain,) = engine.bases.values(), engine.decoders.values()
     ours = StaticDecoder(base.model, torch.device("cuda"), use_graphs=True, compile_ops=False, pointwise_kernels=True)
-    assert ours.stack.step_ops.kernels and plain.use_graphs and not plain.stack.step_ops.kernels
+    assert ours.stack.step_ops.kernels and ours.stack.prefill_ops.kernels and plain.use_graphs
+    assert not plain.stack.step_ops.kernels and not plain.stack.prefill_ops.kernels
     prompts = ["Approve a loan of 12000?", "Income 52000, debt low.", "x", "Step 1: check income " * 5]
     ids = [base.tokenizer(p).input_ids for p in prompts]
     kw = {"stop_ids": [-1], "pad_id": base.tokenizer.pad_token_id, "select": lambda n: select_adapters(base, n)}

@@ -60,10 +60,11 @@ def test_rotary_is_bit_equal_and_silu_mul_matches_eager() -> None:
     assert out.strip() == "ok"
 
 
-def test_only_decode_steps_run_the_kernels_and_decode_token_for_token_as_without(tiny_models: Path) -> None:
-    """`Engine(pointwise_kernels=True)` (the worker's `--pointwise-kernels`): prefill (and a take of one new
-    token, prefill only) never calls the kernels -- the host issues each of its launches -- while decode steps
-    do, and Kev, Laya and mixed rows in float32 get the same tokens and log-probabilities as without them."""
+def test_prefill_runs_the_kernels_decode_steps_only_when_asked_and_tokens_stay_the_same(tiny_models: Path) -> None:
+    """Prefill runs the kernels wherever they are available (a take of one new token calls them), decode steps
+    only with `Engine(pointwise_kernels=True)` (the worker's `--pointwise-kernels`); Kev, Laya and mixed rows in
+    float32 get the same tokens and log-probabilities with the kernels in prefill, in both, and in neither
+    (`compile_ops=False`: the eager functions everywhere)."""
     from tests.conftest import tiny_config
 
     config_path = tiny_config(tiny_models, "none").path
@@ -85,22 +86,35 @@ def test_only_decode_steps_run_the_kernels_and_decode_token_for_token_as_without
             setattr(pointwise, name, counted)
         config = load_config(sys.argv[1])
         plain_engine = Engine(config, device="cpu", decode="static")
-        ours_engine = Engine(config, device="cpu", decode="static", bases=plain_engine.bases, pointwise_kernels=True)
+        bases = plain_engine.bases
+        ours_engine = Engine(config, device="cpu", decode="static", bases=bases, pointwise_kernels=True)
+        none_engine = Engine(config, device="cpu", decode="static", bases=bases, compile_ops=False)
         (base,), (plain,) = plain_engine.bases.values(), plain_engine.decoders.values()
-        (ours,) = ours_engine.decoders.values()
-        assert ours.stack.step_ops.kernels and not ours.stack.ops.kernels and not plain.stack.step_ops.kernels
+        (ours,), (none,) = ours_engine.decoders.values(), none_engine.decoders.values()
+        assert plain.stack.prefill_ops.kernels and not plain.stack.step_ops.kernels and not plain.stack.ops.kernels
+        assert ours.stack.prefill_ops.kernels and ours.stack.step_ops.kernels
+        assert not none.stack.prefill_ops.kernels and not none.stack.step_ops.kernels
         kw = {"stop_ids": [-1], "pad_id": base.tokenizer.pad_token_id, "select": lambda n: select_adapters(base, n)}
         ids = [base.tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(5)]
-        ours.decode([DecodeRow(ids=r, max_new=1, adapter="kev") for r in ids], **kw)
-        assert calls == {"rope": 0, "silu_mul": 0}, calls
+
+        def counted_decode(decoder, rows):
+            calls.update(rope=0, silu_mul=0)
+            return decoder.decode(rows, **kw), dict(calls)
+
+        _, prefill_only = counted_decode(plain, [DecodeRow(ids=r, max_new=1, adapter="kev") for r in ids])
+        layers = len(plain.stack.layers)
+        assert prefill_only["rope"] == prefill_only["silu_mul"] > 0 and prefill_only["rope"] % layers == 0
         for adapters in (["kev"], ["laya"], ["kev", "laya"]):
             rows = [DecodeRow(ids=r, max_new=6, adapter=adapters[i % len(adapters)]) for i, r in enumerate(ids)]
-            a, b = ours.decode(rows, **kw), plain.decode(rows, **kw)
-            assert torch.equal(a.tokens, b.tokens), adapters
-            torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-6, atol=1e-6)
-        layers = len(ours.stack.layers)
-        assert calls["rope"] == calls["silu_mul"] == 3 * 5 * layers, calls  # 5 steps after the first token, x3
-        print("ok", calls)
+            (a, in_ours), (b, in_plain), (c, in_none) = (counted_decode(d, rows) for d in (ours, plain, none))
+            for x in (a, b):
+                assert torch.equal(x.tokens, c.tokens), adapters
+                torch.testing.assert_close(x.logprobs, c.logprobs, rtol=1e-6, atol=1e-6)
+            assert in_none == {"rope": 0, "silu_mul": 0}, in_none
+            assert in_plain == prefill_only, (in_plain, prefill_only)  # its decode steps call none
+            steps = {k: in_ours[k] - in_plain[k] for k in calls}
+            assert steps == {"rope": 5 * layers, "silu_mul": 5 * layers}, steps  # 5 steps after the first token
+        print("ok", prefill_only)
     """,
         str(config_path),
     )

@@ -94,12 +94,11 @@ class Fused:
 
 class Ops:
     """The fused elementwise steps of a layer, compiled or eager (see `Fused`); with `kernels`, rotary and SiLU
-    x up by our own Triton kernels (`pointwise`) instead. The stack hands a kernels copy (`with_kernels`) only
-    to the decode step, which a graph replays: there a launch costs the host nothing, while prefill and
-    scoring issue every launch from the host, where ours cost more than the compiled kernels'. Opt-in: on the
-    H200 the kernels are bit-equal to eager and 1.7-14x faster on GPU time, but the one end-to-end run with
-    them (on every call of up to 512 tokens, scoring and small prefill chunks included) was slower
-    (`bench/RESULTS.md`)."""
+    x up by our own Triton kernels (`pointwise`) instead (bit-equal to eager on the H200, 1.7-14x faster on
+    GPU time). The stack hands a kernels copy (`with_kernels`) to prefill wherever they run: its layer-major
+    groups (dequantised once per group) are bound by GPU time, and there they took a nightly take's prefill
+    from 0.39 to 0.33 s (`bench prefill`). The decode step gets one only when asked (the worker's
+    `--pointwise-kernels`): in the end-to-end rows they have not shown a gain there yet (`bench/RESULTS.md`)."""
 
     def __init__(self, compiled: bool, kernels: bool = False) -> None:
         self.add_rms = Fused(add_rms, compiled)

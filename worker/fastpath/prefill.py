@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from worker.fastpath.graphs import KV
-from worker.fastpath.ops import causal_attention, prefill_attention
+from worker.fastpath.ops import Ops, causal_attention, prefill_attention
 from worker.fastpath.weights import Dense, Layer, Masks, Stack, is_mixed, only_adapter
 
 log = logging.getLogger("kevlaya.fastpath")
@@ -38,11 +38,13 @@ log = logging.getLogger("kevlaya.fastpath")
 # chunk; for a Qwen2.5-1.5B shape in bfloat16 (6,160 bytes a token) ~192 MiB held, a fixed cost the planner
 # sets aside (worker/memory.py).
 GROUP_TOKENS = 32768
-# What the loop runs by default: every chunk its own group (dequantised per chunk). Measured on the H200 under a
-# 6 GiB budget, nightly-2000: prefill 4.7 s and 14.5 s end to end with chunks alone, against 7.0 s and 17.4 s with
-# GROUP_TOKENS -- the held group cost ~16 rows a take (208 against 224) and its prefill ran slower, not faster.
-# Groups stay for where dequantisation dominates (`bench nightly --prefill-group-tokens`).
-DEFAULT_GROUP_TOKENS = 0
+# What the loop runs by default. Measured on the H200 under a 6 GiB budget (`python -m bench prefill`, one
+# process, the median of 3 runs; 256 nightly rows / 64 Kev rows at 1,024 tokens / 256 rows scoring 3 choices):
+# chunks alone with the compiled rotary and SiLU x up took 0.50 / 0.51 / 0.60 s, groups of GROUP_TOKENS with
+# our kernels (`Stack.prefill_ops`) 0.37 / 0.40 / 0.47 s, every take still in one piece. Chunks alone are host
+# bound (their dequantise and merge launches, 8 a layer and chunk): the kernels alone gained nothing there, and
+# larger chunks (16,384 tokens) planned so much activation memory that 256 rows took 3 takes.
+DEFAULT_GROUP_TOKENS = GROUP_TOKENS
 
 AdapterSelect = Callable[[Sequence[str | None]], contextlib.AbstractContextManager[dict[str, Any]]]
 
@@ -215,6 +217,8 @@ class Prefill:
         # The most one group of the last take held between layers (its chunks' hidden states, ids and cache
         # columns), measured from the tensors: what the planner's fixed term must cover.
         self.held_bytes = 0
+        # The elementwise steps a chunk's layers run: the stack's prefill set (our rotary and SiLU x up on a GPU).
+        self.ops: Ops = stack.prefill_ops
 
     def run(
         self,
@@ -382,13 +386,13 @@ class Prefill:
         s = self.stack
         k_cache, v_cache = cache
         count, span = c.ids.shape
-        q, k, v = s.qkv(layer, held.x, masks, rotary.cos, rotary.sin, weights)
+        q, k, v = s.qkv(layer, held.x, masks, rotary.cos, rotary.sin, weights, ops=self.ops)
         # (rows, kv_heads, span, D) -> the cache's (rows, span) slots: advanced indices put those first.
         k_cache[c.rows, :, c.columns] = k.transpose(1, 2)
         v_cache[c.rows, :, c.columns] = v.transpose(1, 2)
         out = causal_attention(q, k, v, scale=layer.scaling)
         attn = out.transpose(1, 2).reshape(count, span, s.heads * s.head_dim)
-        h, x = s.rest(layer, held.h, attn, masks, s.next_norm(i), weights)
+        h, x = s.rest(layer, held.h, attn, masks, s.next_norm(i), weights, ops=self.ops)
         return Hidden(h=h, x=x)
 
     def through_model(

@@ -377,9 +377,12 @@ class Stack:
         # Residual adds with the norms after them, rotary, SiLU x up: one compiled kernel each (bf16/fp16 on a GPU).
         compiled = compile_ops and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
         self.ops = Ops(compiled)
-        # pointwise_kernels: the decode step's rotary and SiLU x up by our Triton kernels (see `Ops`).
-        ours = pointwise_kernels and pointwise.available(self.device, self.dtype)
-        self.step_ops = self.ops.with_kernels() if ours else self.ops
+        # Prefill's rotary and SiLU x up by our Triton kernels wherever they run (bf16/fp16 on a GPU), unless the
+        # fused steps are off (eager everywhere, for comparisons); with `pointwise_kernels` the decode step's too,
+        # and prefill's even then (see `Ops`).
+        ours = pointwise.available(self.device, self.dtype)
+        self.prefill_ops = self.ops.with_kernels() if ours and (compile_ops or pointwise_kernels) else self.ops
+        self.step_ops = self.ops.with_kernels() if ours and pointwise_kernels else self.ops
         # fuse_lora=False keeps PEFT's float32 LoRA arithmetic in bf16/fp16 models too (slower; for comparisons).
         # join_projections=False runs q/k/v and gate/up as separate matmuls (for comparisons).
         layers = lm.model.layers[: cfg.num_hidden_layers]

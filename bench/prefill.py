@@ -1,0 +1,149 @@
+"""Prefill variants side by side in one process: chunk size and which elementwise kernels prefill runs.
+
+    python -m bench prefill --device cuda --memory-budget 6GiB
+    python -m bench prefill --device cpu --shape tiny --rows 16 --chunks 256,512 --ops compiled   # a smoke run
+
+One engine (the worker's defaults but the variant), then for every (ops, chunk tokens) pair and workload, a
+warm-up run and `--repeats` timed runs of the engine generating one token a row (so: setup, prefill, outputs),
+reported as prompt tokens per second of the median run, beside the engine's own prefill-phase seconds.
+Workloads: `nightly` (nightly-2000's 128-256-token Laya prompts), `long` (Kev prompts cut at the 1,024-token
+input limit) and `choices` (the nightly prompts with 3 labels scored: prefill plus the choice pass). Machine
+to machine the figures move 10-20%: compare variants within one run only.
+
+`--ops compiled` is the loop's torch.compile'd rotary and SiLU x up, `kernels` ours (`worker/fastpath/pointwise.py`,
+what prefill runs by default); `--groups` the layer-major group sizes (default 32,768; 0: each chunk alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench.common import append_results, hardware, model_dir, save_json, sync, write_config
+from bench.mixed import CHOICES
+from bench.nightly import workload
+from shared.job import Job
+from worker.config import load_config
+from worker.engine import Engine
+from worker.memory import parse_bytes
+
+
+def workloads(engine: Engine, rows: int) -> dict[str, list[Job]]:
+    tok = engine.base_for("laya").tokenizer
+    specs = workload(rows, 0.0, tokenizer=tok, seed=5)
+    nightly = [Job(custom_id=s["custom_id"], model="laya", prompt=s["prompt"], max_new_tokens=1) for s in specs]
+    words = " ".join(s["prompt"] for s in specs[:8])
+    long = [
+        Job(custom_id=f"k{i}", model="kev", prompt=f"Case {i}: {words}", max_new_tokens=1, truncate=True)
+        for i in range(max(1, rows // 4))
+    ]
+    choices = [replace(j, choices=tuple(CHOICES), max_new_tokens=None) for j in nightly]
+    return {"nightly": nightly, "long": long, "choices": choices}
+
+
+def timed(engine: Engine, jobs: list[Job], device: str, repeats: int) -> dict[str, Any]:
+    """The median of `repeats` runs after a warm-up: wall seconds, prompt tokens, and the engine's phases of the
+    median run (setup, prefill, score, outputs...) with the allocator's retries (a cudaMalloc that failed under
+    the cap and freed the cache to retry: each a device synchronisation)."""
+    engine.run(jobs)
+    runs = []
+    for _ in range(repeats):
+        before, retries = engine.phase_seconds(), alloc_retries(device)
+        sync(device)
+        t0 = time.perf_counter()
+        outs = engine.run(jobs)
+        sync(device)
+        wall = time.perf_counter() - t0
+        after = engine.phase_seconds()
+        phases = {k: round(after[k] - before.get(k, 0.0), 4) for k in after if after[k] != before.get(k, 0.0)}
+        runs.append({"wall_s": round(wall, 4), "phases_s": phases, "alloc_retries": alloc_retries(device) - retries})
+        if errors := [o.error for o in outs if o.error is not None]:
+            raise RuntimeError(f"{len(errors)} rows failed, e.g. {errors[0]}")
+    tokens = sum(o.prompt_tokens for o in outs)
+    median = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
+    return {
+        "rows": len(jobs),
+        "prompt_tokens": tokens,
+        **median,
+        "walls_s": [r["wall_s"] for r in runs],
+        "tokens_per_s": round(tokens / median["wall_s"]),
+    }
+
+
+def alloc_retries(device: str) -> int:
+    if not device.startswith("cuda"):
+        return 0
+    import torch
+
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+
+
+def use_variant(engine: Engine, ops: str, chunk_tokens: int, group_tokens: int) -> None:
+    for decoder in engine.decoders.values():
+        decoder.prefill.tokens = chunk_tokens
+        decoder.prefill.group_tokens = group_tokens
+        stack = decoder.stack
+        if ops == "kernels" and not stack.prefill_ops.kernels:
+            raise SystemExit("our kernels are not available here (Triton on CUDA, bf16/fp16)")
+        decoder.prefill.ops = stack.prefill_ops if ops == "kernels" else stack.ops
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m bench prefill", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", default="qwen2.5-1.5b")
+    parser.add_argument("--memory-budget", default="6GiB")
+    parser.add_argument("--rows", type=int, default=256, help="rows of the nightly and choices workloads")
+    parser.add_argument("--chunks", default="4096", help="prefill chunk sizes (tokens) to compare")
+    parser.add_argument("--groups", default="0,32768", help="layer-major group sizes (tokens; 0: each chunk alone)")
+    parser.add_argument("--ops", default="compiled,kernels", help="compiled and/or kernels (ours)")
+    parser.add_argument("--only", default="nightly,long,choices", help="workloads to run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="bench/out")
+    args = parser.parse_args(argv)
+    budget = parse_bytes(args.memory_budget) if args.device.startswith("cuda") else None
+    config = load_config(
+        write_config(model_dir(args.shape, device=args.device), device=args.device, name="prefill.toml")
+    )
+    ops = args.ops.split(",")
+    engine = Engine(config, device=args.device, memory_budget_bytes=budget)
+    if not engine.decoders:
+        raise SystemExit("no static loop on this device/model: nothing to compare")
+    loads = {k: v for k, v in workloads(engine, args.rows).items() if k in args.only.split(",")}
+    report: dict[str, Any] = {"hardware": hardware(args.device, budget), "shape": args.shape, "runs": []}
+    for op in ops:
+        for chunk, group in itertools.product(ints(args.chunks), ints(args.groups)):
+            use_variant(engine, op, chunk, group)
+            for name, jobs in loads.items():
+                figures = timed(engine, jobs, args.device, args.repeats)
+                r = {"ops": op, "chunk_tokens": chunk, "group_tokens": group, "workload": name, **figures}
+                report["runs"].append(r)
+                print("prefill", r, flush=True)
+    save_json(Path(args.out), "prefill.json", report)
+    cells = "; ".join(
+        f"{r['workload']} {r['ops']} {r['chunk_tokens']}/{r['group_tokens']}: {r['tokens_per_s']} tok/s "
+        f"({r['wall_s']:.3f} s, prefill {r['phases_s'].get('prefill', 0):.3f} s)"
+        for r in report["runs"]
+    )
+    append_results(
+        f"| prefill | {report['hardware']} | {args.shape} NF4, worker defaults but the variant named "
+        f"(ops chunk tokens/layer-major group tokens) | {cells} | "
+        f"`python -m bench prefill {' '.join(sys.argv[1:] if argv is None else argv)}` |",
+        Path(args.out),
+    )
+    return report
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
