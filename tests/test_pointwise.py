@@ -119,3 +119,41 @@ def test_prefill_runs_the_kernels_decode_steps_only_when_asked_and_tokens_stay_t
         str(config_path),
     )
     assert out.startswith("ok")
+
+
+def test_nf4_dequantisation_gives_bitsandbytes_values_and_falls_back_where_it_does_not_serve() -> None:
+    """Our NF4 kernel (worker/fastpath/dequant.py) against bitsandbytes' own op on the CPU, value for value:
+    bf16, fp16 and fp32 outputs, block sizes 64 and 128, sizes that end inside a program's 1,024 bytes; through
+    `Layout4bit.dense` too, which hands FP4 (and a layout without its code table) to bitsandbytes. Rows are whole
+    blocks, as in every model's weights: where a block spans rows, bitsandbytes' CPU op (not its CUDA one) reads
+    the scales otherwise than its quantiser wrote them (a larger error than the flat layout ours reads)."""
+    out = run_interpreted("""
+        import torch
+        from bitsandbytes.functional import quantize_4bit
+        from worker.fastpath import dequant, quant4
+
+        torch.manual_seed(0)
+        op = torch.ops.bitsandbytes.dequantize_4bit.default
+        for blocksize in (64, 128):
+            for shape in ([48, 128], [40, 256], [3, 1536]):
+                weight = torch.randn(*shape) * 3
+                packed, state = quantize_4bit(weight, blocksize=blocksize, quant_type="nf4", compress_statistics=False)
+                absmax, code = state.absmax.float(), state.code.float()
+                for dtype in dequant.DTYPES:
+                    want = op(packed, absmax, blocksize, "nf4", shape, dtype)
+                    got = dequant.nf4(packed, absmax, code, blocksize, shape, dtype)
+                    assert got.dtype == dtype and got.shape == want.shape
+                    assert torch.equal(got, want), (blocksize, shape, dtype)
+                    layout = quant4.Layout4bit(absmax=absmax, blocksize=blocksize, quant_type="nf4", shape=shape,
+                                               dtype=dtype, code=code)
+                    assert layout._ours(packed) and torch.equal(layout.dense(packed), want)
+        packed, state = quantize_4bit(torch.randn(32, 64), blocksize=64, quant_type="fp4", compress_statistics=False)
+        fp4 = quant4.Layout4bit(absmax=state.absmax, blocksize=64, quant_type="fp4", shape=[32, 64],
+                                dtype=torch.float32, code=state.code)
+        assert not fp4._ours(packed) and torch.equal(fp4.dense(packed), op(packed, state.absmax, 64, "fp4",
+                                                                            [32, 64], torch.float32))
+        bare = quant4.Layout4bit(absmax=absmax, blocksize=128, quant_type="nf4", shape=[24, 256], dtype=torch.float32)
+        assert not bare._ours(packed)
+        print("ok")
+    """)
+    assert out.strip() == "ok"
