@@ -1,10 +1,8 @@
-"""Our Triton kernels (`worker/fastpath/pointwise.py`, `dequant.py`) against what they replace.
+"""Our Triton kernels (`worker/fastpath/pointwise.py`) against the torch.compile'd functions they replace.
 
-Rotary embedding and SiLU x up at a 4,096-token prefill chunk's shape and a 256-row decode step's, against the
-torch.compile'd functions; NF4 dequantisation of a Qwen2.5-1.5B shape layer's four joint weights (q/k/v, o,
-gate/up, down) against bitsandbytes' op. Each figure is 28 calls (one per layer) captured as a CUDA graph and
-replayed (GPU time only, no host launch cost), beside whether each kernel's output equals the reference's bit
-for bit (eager's; bitsandbytes').
+Rotary embedding and SiLU x up at a 4,096-token prefill chunk's shape and a 256-row decode step's, each figure
+28 calls (one per layer of a Qwen2.5-1.5B shape) captured as a CUDA graph and replayed (GPU time only, no host
+launch cost); and whether each kernel's output equals eager's bit for bit.
 
     python -m bench kernels --out bench/out
 """
@@ -79,37 +77,6 @@ def shape_report(label: str, rows: int, length: int, device: torch.device) -> di
     }
 
 
-def dequant_report(device: torch.device) -> dict[str, Any]:
-    """A layer's four joint NF4 weights (64-value blocks, float32 scales) dequantised to bf16, 28 times (a
-    decode step's calls): bitsandbytes' op against ours, and whether every value is the same."""
-    from bitsandbytes.functional import quantize_4bit
-
-    from worker.fastpath import dequant
-
-    shapes = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
-    weights = []
-    for out_features, in_features in shapes.values():
-        packed, state = quantize_4bit(
-            torch.randn(out_features, in_features, device=device, dtype=torch.bfloat16), blocksize=64,
-            quant_type="nf4", compress_statistics=False,
-        )  # fmt: skip
-        weights.append((packed, state.absmax.float(), state.code.float(), [out_features, in_features]))
-
-    def ours(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, shape: list[int]) -> torch.Tensor:
-        return dequant.nf4(packed, absmax, code, 64, shape, torch.bfloat16)
-
-    def theirs(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, shape: list[int]) -> torch.Tensor:
-        return torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, 64, "nf4", shape, torch.bfloat16)
-
-    return {
-        "dequant_equal": all(torch.equal(ours(*w), theirs(*w)) for w in weights),
-        "dequant_ms_x28": {
-            "bitsandbytes": graph_ms(lambda: [theirs(*w) for _ in range(28) for w in weights]),
-            "triton": graph_ms(lambda: [ours(*w) for _ in range(28) for w in weights]),
-        },
-    }
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m bench kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/out")
@@ -117,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    report = {**pointwise_report(torch.device("cuda")), **dequant_report(torch.device("cuda"))}
+    report = pointwise_report(torch.device("cuda"))
     print(report, flush=True)
     save_json(out_dir, "kernels.json", report)
 
@@ -128,11 +95,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
 
     figures = "; ".join(figure(label, op) for label in ("prefill", "decode") for op in ("rope", "silu"))
-    dq = report["dequant_ms_x28"]
-    figures += (
-        f"; NF4 dequantisation of a layer's 4 weights x 28 (bitsandbytes -> Triton) {dq['bitsandbytes']:.2f} -> "
-        f"{dq['triton']:.2f} ms ({'' if report['dequant_equal'] else 'NOT '}bit-equal)"
-    )
     append_results(
         f"| kernels | H200 | Qwen2.5-1.5B shape, bf16, 28 calls per figure (graph-replayed) | compiled -> Triton: "
         f"{figures} | `python -m bench kernels {' '.join(sys.argv[1:] if argv is None else argv)}` |",

@@ -7,15 +7,10 @@ needs -- dequantise, and the 4-bit matmul -- directly.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from worker.fastpath import dequant
-
-log = logging.getLogger("kevlaya.fastpath")
 
 
 @torch.no_grad()
@@ -35,15 +30,6 @@ def float_absmax(state: Any) -> torch.Tensor | None:
     return absmax + state.offset
 
 
-class _Switch:
-    """Whether our NF4 kernel may run: switched off for good by its first failure (bitsandbytes' op then)."""
-
-    on = True
-
-
-OURS = _Switch()
-
-
 @dataclass(frozen=True)
 class Layout4bit:
     """How bitsandbytes reads a packed 4-bit weight (one projection's, or a group's joint buffer), and its two
@@ -54,26 +40,11 @@ class Layout4bit:
     quant_type: str
     shape: list[int]  # (out, in) of the unpacked weight
     dtype: torch.dtype  # compute dtype
-    code: torch.Tensor | None = None  # the 16-entry code table (bitsandbytes' `quant_state.code`)
 
     def dense(self, packed: torch.Tensor) -> torch.Tensor:
-        """The weight dequantised as bitsandbytes' dequantise-then-linear path does it for large inputs: by our
-        NF4 kernel where it serves (`dequant`, the same values), else by bitsandbytes' op."""
-        if OURS.on and self._ours(packed):
-            try:
-                return dequant.nf4(packed, self.absmax, self.code, self.blocksize, self.shape, self.dtype)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception:  # a Triton build or launch failure: bitsandbytes computes the same values
-                log.exception("fast path: our NF4 dequantisation failed; using bitsandbytes' from now on")
-                OURS.on = False
+        """The weight dequantised as bitsandbytes' dequantise-then-linear path does it for large inputs."""
         return torch.ops.bitsandbytes.dequantize_4bit.default(
             packed, self.absmax, self.blocksize, self.quant_type, self.shape, self.dtype
-        )
-
-    def _ours(self, packed: torch.Tensor) -> bool:
-        return dequant.available(packed.device, self.dtype) and dequant.fits(
-            self.quant_type, self.blocksize, self.shape, self.code, self.absmax
         )
 
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

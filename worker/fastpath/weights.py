@@ -91,7 +91,7 @@ class Proj:
         dtype = getattr(self.base, "compute_dtype", None) or self.dtype
         return Layout4bit(
             absmax=self.absmax, blocksize=state.blocksize, quant_type=state.quant_type, shape=list(state.shape),
-            dtype=dtype, code=getattr(state, "code", None),
+            dtype=dtype,
         )  # fmt: skip
 
     @property
@@ -290,10 +290,7 @@ def join_bases(projs: list[Proj], dtype: torch.dtype) -> JointBase | None:
             p.base.weight.quant_state.absmax = view  # plain (not nested) scales: bitsandbytes' own, shared
         p.absmax = view
     shape = [sum(s.shape[0] for s in states), states[0].shape[1]]
-    code = getattr(states[0], "code", None)  # one quant type: one code table
-    layout = Layout4bit(
-        absmax=absmax, blocksize=blocksize, quant_type=quant_type, shape=shape, dtype=compute_dtype, code=code
-    )
+    layout = Layout4bit(absmax=absmax, blocksize=blocksize, quant_type=quant_type, shape=shape, dtype=compute_dtype)
     return JointBase(weight, joint_bias(bases, compute_dtype), layout)
 
 
