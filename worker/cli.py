@@ -84,7 +84,8 @@ def setup_logging(level: str) -> None:
     "--pointwise-kernels",
     is_flag=True,
     help="Experimental: the decode step's rotary and SiLU x up by kevlaya's own Triton kernels (CUDA, bf16/fp16) "
-    "instead of the compiled ones. Bit-equal and faster on GPU time; not yet shown faster end to end.",
+    "instead of the compiled ones, as prefill always runs them. Bit-equal and faster on GPU time; in the decode "
+    "step not yet shown faster end to end.",
 )
 @click.option(
     "--batch-time-limit-s", default=900.0, show_default=True, help="Rows still generating then fail with `timeout`."
