@@ -29,6 +29,8 @@ from worker.rqcompat import RawJob, RQBridge
 
 log = logging.getLogger("kevlaya.worker")
 
+_ANSWERED_LUA = "return redis.call('HEXISTS', KEYS[1], ARGV[1]) + redis.call('HEXISTS', KEYS[2], ARGV[1])"
+
 
 @dataclass(frozen=True)
 class Row:
@@ -76,6 +78,8 @@ class Settler:
         self.versions = versions
         self.enqueue = enqueue
         self.queues = queues_for(redis, keys, config.names)
+        # Sent by its SHA (EVALSHA), not its text a job: the result or the step of a job, read at once.
+        self._answered = redis.register_script(_ANSWERED_LUA)
 
     # ---- before the engine --------------------------------------------------------------------
     def triage(self, taken: Sequence[Row]) -> Triage:
@@ -145,13 +149,8 @@ class Settler:
                 if job.batch is None:
                     pipe.echo("")
                 elif self.config.models[job.model].escalates_to:  # an escalated step is done too
-                    pipe.eval(
-                        "return redis.call('HEXISTS', KEYS[1], ARGV[1]) + redis.call('HEXISTS', KEYS[2], ARGV[1])",
-                        2,
-                        self.keys.batch_results(job.batch),
-                        self.keys.batch_steps(job.batch),
-                        job.custom_id,
-                    )
+                    keys = [self.keys.batch_results(job.batch), self.keys.batch_steps(job.batch)]
+                    self._answered(keys=keys, args=[job.custom_id], client=pipe)
                 else:
                     pipe.hexists(self.keys.batch_results(job.batch), job.custom_id)
             found = pipe.execute(raise_on_error=False)  # a wrong-typed batch key reads as "not done"
