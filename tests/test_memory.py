@@ -61,8 +61,8 @@ def test_a_layer_major_prefill_is_planned_with_one_groups_held_hidden_states_ins
 ) -> None:
     """The static loop's layer-major prefill holds one group's hidden states between layers: two hidden-size
     vectors per padded prompt token (and its int64 ids and cache columns) for at most `prefill_group_tokens`
-    tokens -- or one chunk, where a chunk is larger (a prompt longer than a chunk). A fixed cost, set aside
-    once: never per row, never past the budget."""
+    tokens -- or one chunk, where a chunk is larger (a prompt longer than a chunk) -- and never more than the
+    take's rows pad to. Per row up to one group, then a fixed cost; never past the budget."""
     shape = ModelShape.from_dict(QWEN_1_5B)
     resident = shape.weight_bytes(quantized=True, double_quant=True)
     per_token = shape.prefill_held_bytes_per_token(2)
@@ -82,16 +82,42 @@ def test_a_layer_major_prefill_is_planned_with_one_groups_held_hidden_states_ins
             }
             chunk_major = plan_batch(shape, **common)
             plan = plan_batch(shape, **common, prefill_group_tokens=GROUP_TOKENS)
-            held = max(GROUP_TOKENS, inputs) * per_token
-            assert plan.bytes_per_row == chunk_major.bytes_per_row
-            assert plan.free_bytes == chunk_major.free_bytes - held
+            held = min(max(GROUP_TOKENS, inputs), plan.max_rows * inputs) * per_token
+            assert plan.take_bytes(plan.max_rows) - chunk_major.take_bytes(plan.max_rows) == held
+            assert (plan.bytes_per_row, plan.free_bytes) == (chunk_major.bytes_per_row, chunk_major.free_bytes)
             assert chunk_major.free_bytes <= int(budget_gib * GIB) - resident - RESERVE_BYTES
             assert plan.max_rows <= chunk_major.max_rows
-            assert plan.max_rows * plan.bytes_per_row <= max(0, plan.free_bytes), (inputs, new)
+            assert plan.max_rows * plan.bytes_per_row + held <= max(0, plan.free_bytes), (inputs, new)
             # Every planned row's KV, plus one group's held states and the one chunk set aside, within the budget.
             kv = plan.max_rows * common["cache_tokens"] * shape.kv_bytes_per_token(2)
             assert resident + RESERVE_BYTES + held + kv <= int(budget_gib * GIB)
     assert plan_batch(shape, **{**common, "budget_bytes": resident + RESERVE_BYTES + MIB}).max_rows == 0
+
+
+def test_a_take_smaller_than_a_group_sets_aside_only_its_own_rows_held_states() -> None:
+    """Where a whole group's ~192 MiB would not fit beside a few rows, the rows' own held states do: a small
+    budget still plans the rows it plans without the layer-major prefill, less what their prompts hold."""
+    shape = ModelShape.from_dict(QWEN_1_5B)
+    resident = shape.weight_bytes(quantized=True, double_quant=True)
+    common = {
+        "resident_bytes": resident,
+        "input_tokens": 64,
+        "new_tokens": 16,
+        "prefill_chunk_tokens": 4096,
+        "cache_tokens": length_bucket(64 + 16),
+        "flash_prefill": True,
+        "choice_chunk_rows": 32,
+    }
+    roomy = plan_batch(shape, budget_bytes=6 * GIB, **common)
+    chunk_set_aside = 6 * GIB - RESERVE_BYTES - resident - roomy.free_bytes
+    budget = resident + RESERVE_BYTES + chunk_set_aside + 100 * MIB  # 100 MiB for rows: less than a group holds
+    bare = plan_batch(shape, budget_bytes=budget, **common)
+    grouped = plan_batch(shape, budget_bytes=budget, **common, prefill_group_tokens=GROUP_TOKENS)
+    assert GROUP_TOKENS * shape.prefill_held_bytes_per_token(2) > bare.free_bytes > 0
+    own = 64 * shape.prefill_held_bytes_per_token(2)  # a row's prompt's held states
+    assert 0 < grouped.max_rows < bare.max_rows
+    assert grouped.max_rows >= bare.free_bytes // (bare.bytes_per_row + own) - 1
+    assert grouped.take_bytes(grouped.max_rows) <= grouped.free_bytes < grouped.take_bytes(grouped.max_rows + 1)
 
 
 # 378 rows without the prefill's held states; with 1,200 MiB more held elsewhere 255, about the nightly takes' 260

@@ -13,8 +13,9 @@ from tests.conftest import tiny_config
 from worker.engine import Engine
 from worker.memory import MIB, RESERVE_BYTES
 
-# Spare bytes that leave the tiny model rows beside the prefill's chunk and its held hidden states (by default
-# one chunk's: 4,096 tokens x 528 bytes in float32, ~2 MiB), and few enough that the plan is below its row cap.
+# Spare bytes that leave the tiny model rows beside the prefill's chunk and its held hidden states (what the rows'
+# prompts pad to, up to a group: 32,768 tokens x 528 bytes in float32, ~17 MiB), and few enough that the plan is
+# below its row cap.
 ROOM = 30 * MIB
 
 
@@ -48,8 +49,9 @@ def test_the_plan_sets_aside_what_the_layer_major_prefill_holds(
     engine: Engine, monkeypatch: pytest.MonkeyPatch, chunk_tokens: int | None, group_tokens: int | None
 ) -> None:
     """The static loop's prefill holds one group of chunks' hidden states between layers: the plan sets aside
-    one group's worth once (not per row), at least as many bytes as the prefill measured a group held -- with
-    the defaults (one group here) and with chunks of 4 rows in groups of 2 chunks (3 groups)."""
+    what the take's rows pad to, up to one group's worth (a fixed cost past that), at least as many bytes as the
+    prefill measured a group held -- with the defaults (one group here) and with chunks of 4 rows in groups of
+    2 chunks (3 groups)."""
     from worker.fastpath import DecodeRow
     from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
     from worker.loading import select_adapters
@@ -82,15 +84,17 @@ def test_the_plan_sets_aside_what_the_layer_major_prefill_holds(
         flash_prefill=True,
         choice_chunk_rows=CHOICE_CHUNK_ROWS,
     )
-    assert plan.bytes_per_row == unheld.bytes_per_row  # nothing per row
-    assert plan.free_bytes == unheld.free_bytes - fixed
-    assert plan.max_rows > 0 and plan.max_rows * plan.bytes_per_row <= plan.free_bytes
+    per_row = 64 * shape.prefill_held_bytes_per_token(dtype_bytes)
+    assert (plan.bytes_per_row, plan.free_bytes) == (unheld.bytes_per_row, unheld.free_bytes)
+    for rows in {1, plan.max_rows // 2, plan.max_rows, plan.max_rows + 50}:
+        assert plan.take_bytes(rows) - unheld.take_bytes(rows) == min(fixed, rows * per_row), rows
+    assert plan.max_rows > 0 and plan.take_bytes(plan.max_rows) <= plan.free_bytes
     rows = min(plan.max_rows, 24)
     batch = [DecodeRow(ids=[5 + i % 7] * (64 - i % 5), max_new=1, adapter=base.adapters["kev"]) for i in range(rows)]
     groups = len(decoder.prefill.layer_groups(batch))
     assert groups == (1 if chunk_tokens is None else 3)
     decoder.decode(batch, stop_ids=[-1], pad_id=0, select=lambda names: select_adapters(base, names))
-    assert 0 < decoder.prefill.held_bytes <= fixed
+    assert 0 < decoder.prefill.held_bytes <= min(fixed, rows * per_row)
     if chunk_tokens is not None:  # two chunks of 4 rows of at most 64 tokens: a group's, not the take's
         assert decoder.prefill.held_bytes <= 2 * 4 * 64 * shape.prefill_held_bytes_per_token(dtype_bytes)
 

@@ -140,15 +140,23 @@ class BatchPlan:
     kv_pool_bytes: int = 0  # the KV pool already allocated (counted in the resident bytes), reused by a take it holds
     decode_row_bytes: int = 0  # the part of `bytes_per_row` a decode step's temporaries take (the graphs' pool)
     graph_rows: int = 0  # the most rows of a captured decode graph: its step's temporaries are resident already
+    held_row_bytes: int = 0  # the layer-major prefill's held hidden states a row adds (its padded prompt)...
+    held_cap_bytes: int = 0  # ...up to one group's
 
     def take_bytes(self, rows: int) -> int:
         """What a take of `rows` adds to what is resident. Rows the allocated KV pool holds reuse it (their KV is
         no new memory); a take it cannot hold replaces it, the old pool freed first. A decode step's
         temporaries live in the captured graphs' shared pool, which already holds a step of `graph_rows` rows:
-        only rows past that need more."""
+        only rows past that need more. The prefill's held hidden states grow with the rows up to one group."""
         kv = rows * self.kv_row_bytes
         other = self.bytes_per_row - self.kv_row_bytes - self.decode_row_bytes
-        return rows * other + max(0, rows - self.graph_rows) * self.decode_row_bytes + max(0, kv - self.kv_pool_bytes)
+        held = min(self.held_cap_bytes, rows * self.held_row_bytes)
+        return (
+            rows * other
+            + max(0, rows - self.graph_rows) * self.decode_row_bytes
+            + max(0, kv - self.kv_pool_bytes)
+            + held
+        )
 
 
 def most_rows(plan: BatchPlan, cap: int) -> int:
@@ -192,7 +200,8 @@ def plan_batch(
     own prefill, whose unmasked causal attention never builds a score matrix (flash / memory-efficient).
     `prefill_group_tokens`: that prefill runs groups of chunks holding at most that many prompt tokens through
     a layer before the next, holding the group's hidden states between layers (`prefill_held_bytes_per_token`):
-    a fixed cost, one group's, not a per-row one.
+    per row up to one group's, then a fixed cost (planned per row past a group, they cost nightly-like takes
+    ~12% of their rows).
     `sampler_slots`: the batch's sampled rows, bucketed, each drawing over the vocabulary in every step.
     `choice_chunk_rows`: the static loop's token choice, converting that many rows' logits to float32 at a time
     (sampled rows' draws convert only their slots' rows; a batch with `logprob_rows` converts them all at once).
@@ -224,12 +233,16 @@ def plan_batch(
         if not flash_prefill:
             chunk += chunk_rows * shape.attention_bytes_per_row(input_tokens)
         free -= int(chunk * SAFETY_FACTOR)
+        held_row = held_cap = 0
         if prefill_group_tokens is not None:
             # A layer-major group's held hidden states: exact tensors, no margin. A group holds at most
             # `prefill_group_tokens` padded tokens, or one chunk alone where a chunk is larger (`prefill_chunk_tokens`,
-            # or a single prompt longer than that). They live beside the cache and the decode graphs' pool.
-            group = max(prefill_group_tokens, prefill_chunk_tokens, input_tokens)
-            free -= group * shape.prefill_held_bytes_per_token(dtype_bytes)
+            # or a single prompt longer than that), and never more than the take's rows pad to (each at most
+            # `input_tokens`): a take smaller than a group sets aside only its own. They live beside the cache and
+            # the decode graphs' pool.
+            per_token = shape.prefill_held_bytes_per_token(dtype_bytes)
+            held_row = input_tokens * per_token
+            held_cap = max(prefill_group_tokens, prefill_chunk_tokens, input_tokens) * per_token
         # The loop allocates its cache exactly (rows x cache_tokens), and the first-token logits the prefill
         # hands over in the compute dtype -- for the rows of the graph that serves the take, up to
         # `graph_row_slack` x its own: no margin on those, only on the estimated decode temporaries.
@@ -255,6 +268,8 @@ def plan_batch(
             kv_pool_bytes=kv_pool_bytes,
             decode_row_bytes=decode_row,
             graph_rows=graph_rows,
+            held_row_bytes=held_row,
+            held_cap_bytes=held_cap,
         )
         return replace(plan, max_rows=most_rows(plan, max_rows_cap))
     rows = max(0, min(max_rows_cap, free // per_row)) if free > 0 else 0
