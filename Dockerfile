@@ -8,8 +8,10 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     TOKENIZERS_PARALLELISM=false
 
+# gcc and Python's headers: Triton builds its launcher at the first kernel (torch.compile's fused steps and our
+# own kernels); without them both fall back to slower eager code, with a traceback at every start.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3-pip \
+    && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3.11-dev python3-pip gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && python3.11 -m venv /opt/kevlaya
 

@@ -3,15 +3,19 @@
     python -m bench prefill --device cuda --memory-budget 6GiB
     python -m bench prefill --device cpu --shape tiny --rows 16 --chunks 256,512 --ops compiled   # a smoke run
 
-One engine (the worker's defaults but the variant), then for every (ops, chunk tokens) pair and workload, a
-warm-up run and `--repeats` timed runs of the engine generating one token a row (so: setup, prefill, outputs),
-reported as prompt tokens per second of the median run, beside the engine's own prefill-phase seconds.
-Workloads: `nightly` (nightly-2000's 128-256-token Laya prompts), `long` (Kev prompts cut at the 1,024-token
-input limit) and `choices` (the nightly prompts with 3 labels scored: prefill plus the choice pass). Machine
-to machine the figures move 10-20%: compare variants within one run only.
+One engine (the worker's defaults but the variant), then for every (ops, chunk tokens, group tokens) variant and
+workload, a warm-up run and `--repeats` timed runs of the engine generating one token a row (so: setup, prefill,
+outputs), reported as prompt tokens per second of the median run, beside the engine's phases (`prefill`, or
+`score` for choices; `decode_steps` counts the takes). Workloads: `nightly` (nightly-2000's 128-256-token Laya
+prompts), `long` (Kev prompts cut at the 1,024-token input limit) and `choices` (the nightly prompts with 3
+labels scored: prefill plus the choice pass, which runs the compiled steps in every variant). One new token a
+row keeps each take's KV small: a variant that plans more prefill memory costs generation takes more rows than
+these show. Machine to machine the figures move 10-20%: compare variants within one run only.
 
-`--ops compiled` is the loop's torch.compile'd rotary and SiLU x up, `kernels` ours (`worker/fastpath/pointwise.py`,
-what prefill runs by default); `--groups` the layer-major group sizes (default 32,768; 0: each chunk alone).
+`--ops compiled` is the loop's torch.compile'd rotary and SiLU x up (eager on the CPU), `kernels` ours
+(`worker/fastpath/pointwise.py`, what prefill runs by default on a GPU); each run records whether ours really
+ran (`kernels_ran`: a failing kernel hands over to the compiled ones for good). `--groups` the layer-major group
+sizes (the loop's default 32,768; 0: each chunk alone).
 """
 
 from __future__ import annotations
@@ -122,13 +126,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             use_variant(engine, op, chunk, group)
             for name, jobs in loads.items():
                 figures = timed(engine, jobs, args.device, args.repeats)
+                ran = all(d.prefill.ops.kernels for d in engine.decoders.values())
                 r = {"ops": op, "chunk_tokens": chunk, "group_tokens": group, "workload": name, **figures}
+                r["kernels_ran"] = ran
                 report["runs"].append(r)
                 print("prefill", r, flush=True)
     save_json(Path(args.out), "prefill.json", report)
     cells = "; ".join(
-        f"{r['workload']} {r['ops']} {r['chunk_tokens']}/{r['group_tokens']}: {r['tokens_per_s']} tok/s "
-        f"({r['wall_s']:.3f} s, prefill {r['phases_s'].get('prefill', 0):.3f} s)"
+        f"{r['workload']} {r['ops']}{'' if r['kernels_ran'] == (r['ops'] == 'kernels') else ' (FELL BACK)'} "
+        f"{r['chunk_tokens']}/{r['group_tokens']}: {r['tokens_per_s']} tok/s ({r['wall_s']:.3f} s, "
+        f"{phase(r)} {r['phases_s'].get(phase(r), 0):.3f} s)"
         for r in report["runs"]
     )
     append_results(
@@ -138,6 +145,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         Path(args.out),
     )
     return report
+
+
+def phase(run: dict[str, Any]) -> str:
+    """The engine phase that holds a workload's prompts: scoring runs its prefill inside `score`."""
+    return "score" if run["workload"] == "choices" else "prefill"
 
 
 def ints(text: str) -> list[int]:

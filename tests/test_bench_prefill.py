@@ -1,14 +1,18 @@
 """`python -m bench prefill` on the CPU's tiny models: every variant runs every workload without an error, the
-same prompts in each, and its row lands in the results file (here a temporary one)."""
+same prompts in each, and its row lands in the results file (here a temporary one); our kernels' variant runs
+where they do (Triton's interpreter) and is refused where they do not."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 import bench.common
 from bench import prefill
+from tests.test_pointwise import run_interpreted
+from worker.fastpath import pointwise
 
 
 def test_every_variant_runs_every_workload_and_writes_its_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -21,15 +25,38 @@ def test_every_variant_runs_every_workload_and_writes_its_row(tmp_path: Path, mo
     for workload in ("nightly", "long", "choices"):
         mine = [r for r in runs if r["workload"] == workload]
         assert len(mine) == 4 and len({r["prompt_tokens"] for r in mine}) == 1  # the same prompts in every variant
-        assert all(r["tokens_per_s"] > 0 and r["alloc_retries"] == 0 for r in mine)
+        assert not any(r["kernels_ran"] for r in mine)
     long = [r for r in runs if r["workload"] == "long"]
     assert all(r["prompt_tokens"] == r["rows"] * 1024 for r in long)  # cut at the input limit
-    assert all("prefill" in r["phases_s"] for r in runs if r["workload"] != "choices")
+    assert all(r["phases_s"][prefill.phase(r)] > 0 for r in runs)  # choices' prompts: in the scoring phase
+    assert all(r["phases_s"]["decode_steps"] == 1 for r in runs if r["workload"] != "choices")  # one take each
     (row,) = results.read_text().splitlines()
-    assert row.startswith("| prefill | CPU") and "long compiled 512/1024" in row
+    assert row.startswith("| prefill | CPU") and "long compiled 512/1024" in row and "FELL BACK" not in row
     assert (tmp_path / "out" / "RESULTS-rows.md").read_text().strip() == row
 
 
+def test_our_kernels_variant_runs_them_where_they_run(tmp_path: Path) -> None:
+    """Under Triton's interpreter (the CPU) the `kernels` variant's prefill calls ours and says so."""
+    out = run_interpreted(
+        """
+        import json, sys
+        from pathlib import Path
+        import bench.common
+        from bench import prefill
+        bench.common.RESULTS_MD = Path(sys.argv[1]) / "RESULTS.md"
+        args = ["--device", "cpu", "--shape", "tiny", "--rows", "4", "--chunks", "256", "--groups", "1024",
+                "--ops", "compiled,kernels", "--only", "nightly", "--repeats", "1", "--out", sys.argv[1]]
+        report = prefill.main(args)
+        print(json.dumps([(r["ops"], r["kernels_ran"], r["prompt_tokens"]) for r in report["runs"]]))
+        """,
+        str(tmp_path),
+    )
+    runs = json.loads(out.strip().splitlines()[-1])
+    assert [(ops, ran) for ops, ran, _ in runs] == [("compiled", False), ("kernels", True)]
+    assert runs[0][2] == runs[1][2] > 0
+
+
+@pytest.mark.skipif(pointwise.INTERPRETED, reason="the interpreter runs our kernels on the CPU")
 def test_our_kernels_are_refused_where_they_do_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench.common, "RESULTS_MD", tmp_path / "RESULTS.md")
     with pytest.raises(SystemExit, match="not available"):

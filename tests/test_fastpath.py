@@ -522,8 +522,9 @@ def test_a_fused_op_that_fails_to_compile_runs_eagerly_from_then_on(caplog: pyte
 def test_our_kernels_that_fail_hand_over_to_the_compiled_functions_for_good(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A Triton build or launch failure of our rotary / SiLU x up kernels (opt-in) is logged once and the
-    step goes on with the compiled (here eager) functions; running out of memory is not swallowed."""
+    """A Triton build or launch failure of our rotary / SiLU x up kernels (prefill's, and the decode step's with
+    --pointwise-kernels) is logged once and the call goes on with the compiled (here eager) functions; running
+    out of memory is not swallowed."""
     from worker.fastpath import ops, pointwise
 
     def broken(*args: Any) -> Any:

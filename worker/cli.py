@@ -78,14 +78,15 @@ def setup_logging(level: str) -> None:
     "--no-compile",
     is_flag=True,
     help="Run the decode loop's fused elementwise steps eagerly instead of as torch.compile'd kernels "
-    "(bf16/fp16 on a GPU; compiling adds seconds to the start-up warm-up).",
+    "(bf16/fp16 on a GPU; compiling adds seconds to the start-up warm-up), and prefill's rotary and SiLU x up "
+    "eagerly instead of by kevlaya's own Triton kernels.",
 )
 @click.option(
     "--pointwise-kernels",
     is_flag=True,
     help="Experimental: the decode step's rotary and SiLU x up by kevlaya's own Triton kernels (CUDA, bf16/fp16) "
-    "instead of the compiled ones, as prefill always runs them. Bit-equal and faster on GPU time; in the decode "
-    "step not yet shown faster end to end.",
+    "instead of the compiled ones, as prefill runs them by default there. Bit-equal and faster on GPU time; in "
+    "the decode step not yet shown faster end to end.",
 )
 @click.option(
     "--batch-time-limit-s", default=900.0, show_default=True, help="Rows still generating then fail with `timeout`."

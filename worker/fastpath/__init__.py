@@ -1,7 +1,7 @@
 """The fast decode path: a static KV cache, the loop's own prefill, and CUDA-graph-captured decode steps.
 
 Rooms: `quant4` (the only caller of bitsandbytes' ops), `ops` (fused elementwise steps), `pointwise` (our Triton
-kernels for rotary and SiLU x up, opt-in), `weights` (projections,
+kernels for rotary and SiLU x up: prefill's by default, the decode step's opt-in), `weights` (projections,
 LoRA, joined q/k/v and gate/up, the layer stack's math), `graphs` (the state each graph owns, the KV pool, the
 graph cache), `prefill` (prompts into the cache), `sampling` (per-row seeded draws in the step), `scoring`
 (choices against the cached prompt), `decoder` (the step and the batch loop). See `decoder` for how a batch

@@ -17,7 +17,9 @@ compiled or eager functions in `ops` run. Under `TRITON_INTERPRET=1` the kernels
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Any
 
 import torch
 
@@ -91,10 +93,11 @@ def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
         cos, sin = cos.contiguous(), sin.contiguous()
     block_heads = min(16, triton.next_power_of_2(heads))
     grid = (rows * length, triton.cdiv(heads, block_heads))
-    _rope_kernel[grid](
-        qk, cos, sin, out, length, heads, qk.stride(0), qk.stride(1), qk.stride(2), cos.stride(0), cos.stride(1),
-        BH=block_heads, D=dim, enable_fp_fusion=False,
-    )  # fmt: skip
+    with on_device(qk.device):
+        _rope_kernel[grid](
+            qk, cos, sin, out, length, heads, qk.stride(0), qk.stride(1), qk.stride(2), cos.stride(0), cos.stride(1),
+            BH=block_heads, D=dim, enable_fp_fusion=False,
+        )  # fmt: skip
     return out
 
 
@@ -113,5 +116,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
     block = 1024
     grid = (g.shape[0], triton.cdiv(features, block))
-    _silu_mul_kernel[grid](g, u, out, features, g.stride(0), u.stride(0), BLOCK=block, LIBDEVICE=not INTERPRETED)
+    with on_device(gate.device):
+        _silu_mul_kernel[grid](g, u, out, features, g.stride(0), u.stride(0), BLOCK=block, LIBDEVICE=not INTERPRETED)
     return out.view(gate.shape)
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Triton launches on the current CUDA device and its stream: the tensors' own device made current for the
+    launch (an engine on `cuda:1` does not make it current), nothing on the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -165,6 +165,9 @@ def _continuation(
     h = s.embed(lay.tokens)
     cos, sin = s.rotary(h, lay.positions)
     x = s.ops.norm(s.layers[0].norm1, h)
+    # The stack's compiled steps (`s.ops`), not prefill's kernels: a few tokens a row, every launch issued from the
+    # host, where ours cost more host time than the compiled ones (with ours in every call of up to 512 tokens,
+    # choices ran 5.6 s against 2.9 on the H200, d0f2c16 in bench/RESULTS.md).
     # GQA without expanding K/V: the query heads sharing a KV head become that head's query rows (as in a
     # decode step), the mask repeated for each of them.
     mask = lay.mask.expand(n, s.groups, span, width + span).reshape(n, 1, s.groups * span, width + span)

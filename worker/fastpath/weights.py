@@ -379,10 +379,10 @@ class Stack:
         self.ops = Ops(compiled)
         # Prefill's rotary and SiLU x up by our Triton kernels wherever they run (bf16/fp16 on a GPU), unless the
         # fused steps are off (eager everywhere, for comparisons); with `pointwise_kernels` the decode step's too,
-        # and prefill's even then (see `Ops`).
-        ours = pointwise.available(self.device, self.dtype)
-        self.prefill_ops = self.ops.with_kernels() if ours and (compile_ops or pointwise_kernels) else self.ops
-        self.step_ops = self.ops.with_kernels() if ours and pointwise_kernels else self.ops
+        # and prefill's even then (see `Ops`). One copy serves both: a kernel's failure switches it off for both.
+        kernels = self.ops.with_kernels() if pointwise.available(self.device, self.dtype) else self.ops
+        self.prefill_ops = kernels if compile_ops or pointwise_kernels else self.ops
+        self.step_ops = kernels if pointwise_kernels else self.ops
         # fuse_lora=False keeps PEFT's float32 LoRA arithmetic in bf16/fp16 models too (slower; for comparisons).
         # join_projections=False runs q/k/v and gate/up as separate matmuls (for comparisons).
         layers = lm.model.layers[: cfg.num_hidden_layers]
