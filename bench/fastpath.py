@@ -29,7 +29,7 @@ from bench.nightly import workload
 from shared.job import Job
 from worker.config import load_config
 from worker.engine import Engine
-from worker.fastpath import StaticDecoder
+from worker.fastpath import OpsOptions, StaticDecoder
 from worker.memory import MIB, parse_bytes
 
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         max_batch_rows=512,
         decode="auto",
         bases=eager.bases,
-        pointwise_kernels=args.pointwise_kernels,
+        ops=OpsOptions(pointwise_kernels=args.pointwise_kernels),
     )
     if args.exact_lora:
         for name, decoder in static.decoders.items():
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 static.device,
                 use_graphs=decoder.use_graphs,
                 fuse_lora=False,
-                pointwise_kernels=args.pointwise_kernels,
+                ops=OpsOptions(pointwise_kernels=args.pointwise_kernels),
             )
     tok = eager.base_for("laya").tokenizer
     specs = workload(max(args.rows, 256), 0.0, tokenizer=tok, seed=5)
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             max_batch_rows=512,
             decode="static",
             bases=eager.bases,
-            pointwise_kernels=args.pointwise_kernels,
+            ops=OpsOptions(pointwise_kernels=args.pointwise_kernels),
         )
         kernel_profile(static, [replace(j, max_new_tokens=1) for j in nightly_like], out_dir, "prefill")
         # Decode-heavy (17 new tokens per row): the table is mostly the loop's decode step, run without graphs.

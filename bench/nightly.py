@@ -43,6 +43,7 @@ from shared.job import Job
 from shared.serializer import serializer
 from worker.config import load_config
 from worker.engine import Engine
+from worker.fastpath import OpsOptions
 from worker.loop import BatchWorker
 from worker.memory import MIB, parse_bytes
 from worker.settings import WorkerSettings
@@ -363,8 +364,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             memory_budget_bytes=budget,
             max_batch_rows=512,
             decode=args.decode,
-            compile_ops=not args.no_compile,
-            pointwise_kernels=args.pointwise_kernels,
+            ops=OpsOptions(compile_ops=not args.no_compile, pointwise_kernels=args.pointwise_kernels),
         )
         if args.prefill_group_tokens is not None:
             for decoder in engine.decoders.values():

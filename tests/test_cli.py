@@ -121,24 +121,31 @@ def test_worker_commands_come_from_entry_points_and_hide_without_the_extra(monke
     assert out.exit_code != 0 and "needs the worker extra: pip install 'kevlaya[worker]'" in out.output
 
 
-def test_worker_pointwise_kernels_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """`kevlaya worker --pointwise-kernels` builds its engine with our kernels asked for (off without the flag)."""
+def test_worker_ops_flags_reach_the_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`kevlaya worker --pointwise-kernels` / `--no-compile` build the engine with those ops options (the
+    defaults without them)."""
     import worker.config
     import worker.engine
     from worker.cli import worker_command
+    from worker.fastpath import DEFAULT_OPS, OpsOptions
 
-    seen: list[bool] = []
+    seen: list[OpsOptions] = []
 
     class Stop(Exception):
         pass
 
-    def engine(*args: object, pointwise_kernels: bool = False, **kwargs: object) -> None:
-        seen.append(pointwise_kernels)
+    def engine(*args: object, ops: OpsOptions = DEFAULT_OPS, **kwargs: object) -> None:
+        seen.append(ops)
         raise Stop
 
     monkeypatch.setattr(worker.config, "load_config", lambda path: object())
     monkeypatch.setattr(worker.engine, "Engine", engine)
-    for args, want in ((["--pointwise-kernels"], True), ([], False)):
+    cases = (
+        (["--pointwise-kernels"], OpsOptions(pointwise_kernels=True)),
+        (["--no-compile"], OpsOptions(compile_ops=False)),
+        ([], DEFAULT_OPS),
+    )
+    for args, want in cases:
         result = CliRunner().invoke(worker_command, ["--config", str(tmp_path / "models.toml"), *args])
         assert isinstance(result.exception, Stop), result.output
-        assert seen.pop() is want
+        assert seen.pop() == want

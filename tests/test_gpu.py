@@ -144,15 +144,16 @@ def test_our_pointwise_kernels_decode_on_replayed_graphs_as_the_compiled_functio
     """In bfloat16 on replayed graphs, a decoder with our rotary and SiLU x up kernels (in its prefill and its
     decode steps) emits the tokens of one with the eager functions (both without torch.compile, whose kernels
     are not bit-equal to eager; ours are, as `bench kernels` measured on the H200)."""
-    from worker.fastpath import StaticDecoder
+    from worker.fastpath import OpsOptions, StaticDecoder
 
     path = tiny_models / "models-bf16-gpu.toml"
     path.write_text(tiny_config(tiny_models, "none").path.read_text().replace('"float32"', '"bfloat16"'))
     from worker.config import load_config
 
-    engine = Engine(load_config(path), device="cuda", decode="auto", compile_ops=False)
+    engine = Engine(load_config(path), device="cuda", decode="auto", ops=OpsOptions(compile_ops=False))
     (base,), (plain,) = engine.bases.values(), engine.decoders.values()
-    ours = StaticDecoder(base.model, torch.device("cuda"), use_graphs=True, compile_ops=False, pointwise_kernels=True)
+    eager_ours = OpsOptions(compile_ops=False, pointwise_kernels=True)
+    ours = StaticDecoder(base.model, torch.device("cuda"), use_graphs=True, ops=eager_ours)
     assert ours.stack.step_ops.kernels and ours.stack.prefill_ops.kernels and plain.use_graphs
     assert not plain.stack.step_ops.kernels and not plain.stack.prefill_ops.kernels
     prompts = ["Approve a loan of 12000?", "Income 52000, debt low.", "x", "Step 1: check income " * 5]

@@ -62,9 +62,9 @@ def test_rotary_is_bit_equal_and_silu_mul_matches_eager() -> None:
 
 def test_prefill_runs_the_kernels_decode_steps_only_when_asked_and_tokens_stay_the_same(tiny_models: Path) -> None:
     """Prefill runs the kernels wherever they are available (a take of one new token calls them), decode steps
-    only with `Engine(pointwise_kernels=True)` (the worker's `--pointwise-kernels`); Kev, Laya and mixed rows in
+    only with `OpsOptions(pointwise_kernels=True)` (the worker's `--pointwise-kernels`); Kev, Laya and mixed rows in
     float32 get the same tokens and log-probabilities with the kernels in prefill, in both, and in neither
-    (`compile_ops=False`: the eager functions everywhere)."""
+    (`OpsOptions(compile_ops=False)`: the eager functions everywhere)."""
     from tests.conftest import tiny_config
 
     config_path = tiny_config(tiny_models, "none").path
@@ -75,7 +75,7 @@ def test_prefill_runs_the_kernels_decode_steps_only_when_asked_and_tokens_stay_t
         from tests.test_fastpath import PROMPTS
         from worker.config import load_config
         from worker.engine import Engine
-        from worker.fastpath import DecodeRow, pointwise
+        from worker.fastpath import DecodeRow, OpsOptions, pointwise
         from worker.loading import select_adapters
 
         calls = {"rope": 0, "silu_mul": 0}
@@ -87,8 +87,8 @@ def test_prefill_runs_the_kernels_decode_steps_only_when_asked_and_tokens_stay_t
         config = load_config(sys.argv[1])
         plain_engine = Engine(config, device="cpu", decode="static")
         bases = plain_engine.bases
-        ours_engine = Engine(config, device="cpu", decode="static", bases=bases, pointwise_kernels=True)
-        none_engine = Engine(config, device="cpu", decode="static", bases=bases, compile_ops=False)
+        ours_engine = Engine(config, device="cpu", decode="static", bases=bases, ops=OpsOptions(pointwise_kernels=True))
+        none_engine = Engine(config, device="cpu", decode="static", bases=bases, ops=OpsOptions(compile_ops=False))
         (base,), (plain,) = plain_engine.bases.values(), plain_engine.decoders.values()
         (ours,), (none,) = ours_engine.decoders.values(), none_engine.decoders.values()
         assert plain.stack.prefill_ops.kernels and not plain.stack.step_ops.kernels and not plain.stack.ops.kernels

@@ -145,6 +145,7 @@ def worker_command(
         sys.exit(_supervise(ctx, gpus))
     from worker.config import load_config
     from worker.engine import Engine
+    from worker.fastpath import OpsOptions
     from worker.loop import BatchWorker
     from worker.settings import WorkerSettings
 
@@ -157,8 +158,7 @@ def worker_command(
             memory_budget_bytes=budget,
             max_batch_rows=max_batch_rows,
             decode=decode,
-            compile_ops=not no_compile,
-            pointwise_kernels=pointwise_kernels,
+            ops=OpsOptions(compile_ops=not no_compile, pointwise_kernels=pointwise_kernels),
         )
     except KevlayaError as exc:
         raise click.ClickException(str(exc)) from exc

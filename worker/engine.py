@@ -24,7 +24,7 @@ from shared.job import Job
 from worker.calibration import calibrated_output
 from worker.config import ModelsConfig
 from worker.eager import generate_eager, sampling_params
-from worker.fastpath import Decoded, StaticDecoder, row_bucket
+from worker.fastpath import DEFAULT_OPS, Decoded, OpsOptions, StaticDecoder, row_bucket
 from worker.loading import LoadedBase, load_all, stop_ids
 from worker.memory import MIB, BatchPlan
 from worker.outputs import RowOutput, as_label, generated_output, token_bytes
@@ -71,8 +71,7 @@ class Engine:
         fault_hook: FaultHook | None = None,
         bases: dict[str, LoadedBase] | None = None,
         decode: str = "auto",
-        compile_ops: bool = True,
-        pointwise_kernels: bool = False,
+        ops: OpsOptions = DEFAULT_OPS,
     ) -> None:
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
@@ -92,9 +91,7 @@ class Engine:
         self.phase_s: Counter[str] = Counter()  # seconds spent encoding prompts and building outputs
         self._longest_prompt: dict[str, int] = {}  # per model, in its last batch: sizes the worker's take
         self._logged_takes: dict[str, tuple[int, int]] = {}  # per model: the take size last logged, and its prompts
-        self.loops = StaticLoops(
-            self.bases, decode=decode, device=self.device, compile_ops=compile_ops, pointwise_kernels=pointwise_kernels
-        )
+        self.loops = StaticLoops(self.bases, decode=decode, device=self.device, ops=ops)
         self.decoders: dict[str, StaticDecoder] = self.loops.decoders  # by base; a base without one: HF generate
         self.guard = OomGuard(self.loops.release)
         # After the loops: they keep float32 4-bit scales resident.

@@ -15,7 +15,7 @@ import torch
 
 from shared.job import Job
 from worker.config import ModelsConfig
-from worker.fastpath import Decoded, DecodeRow, Sampling, ScoreRow, StaticDecoder, unsupported_reason
+from worker.fastpath import Decoded, DecodeRow, OpsOptions, Sampling, ScoreRow, StaticDecoder, unsupported_reason
 from worker.loading import LoadedBase, select_adapters, stop_ids
 from worker.rows import BaseCall, Item
 
@@ -36,15 +36,12 @@ class StaticLoops:
         *,
         decode: str,
         device: torch.device,
-        compile_ops: bool,
-        pointwise_kernels: bool = False,
+        ops: OpsOptions,
     ) -> None:
         self.device = device
         self.decoders: dict[str, StaticDecoder] = {}
         for name, base in bases.items():
-            decoder = static_decoder(
-                name, base, decode=decode, device=device, compile_ops=compile_ops, pointwise_kernels=pointwise_kernels
-            )
+            decoder = static_decoder(name, base, decode=decode, device=device, ops=ops)
             if decoder is not None:
                 self.decoders[name] = decoder
 
@@ -98,8 +95,7 @@ def static_decoder(
     *,
     decode: str,
     device: torch.device,
-    compile_ops: bool,
-    pointwise_kernels: bool = False,
+    ops: OpsOptions,
 ) -> StaticDecoder | None:
     """The base's static loop, or None where it runs on HF generate (the mode says so, or the model is not one the
     loop supports)."""
@@ -111,9 +107,7 @@ def static_decoder(
         return None
     graphs = decode == "auto" and device.type == "cuda"
     log.info("decode: static KV cache %s for base %s", "with CUDA graphs" if graphs else "without graphs", name)
-    return StaticDecoder(
-        base.model, device, use_graphs=graphs, compile_ops=compile_ops, pointwise_kernels=pointwise_kernels
-    )
+    return StaticDecoder(base.model, device, use_graphs=graphs, ops=ops)
 
 
 def warm_up(

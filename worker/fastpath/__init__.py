@@ -10,16 +10,19 @@ runs.
 
 from worker.fastpath.decoder import ARCHITECTURES, Decoded, DecodeRow, StaticDecoder, unsupported_reason
 from worker.fastpath.graphs import LENGTH_QUANTUM, ROW_BUCKETS, length_bucket, row_bucket
+from worker.fastpath.ops import DEFAULT_OPS, OpsOptions
 from worker.fastpath.prefill import left_pad, to_device
 from worker.fastpath.sampling import Sampling
 from worker.fastpath.scoring import Scored, ScoreRow
 
 __all__ = [
     "ARCHITECTURES",
+    "DEFAULT_OPS",
     "LENGTH_QUANTUM",
     "ROW_BUCKETS",
     "DecodeRow",
     "Decoded",
+    "OpsOptions",
     "Sampling",
     "ScoreRow",
     "Scored",

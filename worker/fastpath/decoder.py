@@ -53,7 +53,7 @@ from worker.fastpath.graphs import (
     row_bucket,
 )
 from worker.fastpath.logprobs import RowLogprobs
-from worker.fastpath.ops import prefill_attention
+from worker.fastpath.ops import DEFAULT_OPS, OpsOptions, prefill_attention
 from worker.fastpath.prefill import DEFAULT_GROUP_TOKENS, AdapterSelect, Prefill, adapter_mask
 from worker.fastpath.sampling import Sampling, draw_rows, greedy_choice, token_choice
 from worker.fastpath.scoring import Scored, ScoreRow, score_choices
@@ -163,8 +163,7 @@ class StaticDecoder:
         fuse_lora: bool = True,
         join_projections: bool = True,
         merge_lora: bool = True,
-        compile_ops: bool = True,
-        pointwise_kernels: bool = False,
+        ops: OpsOptions = DEFAULT_OPS,
     ) -> None:
         self.model = model  # what the prefill fallback calls (the PEFT wrapper, so adapters apply)
         self.device = device
@@ -174,8 +173,7 @@ class StaticDecoder:
             causal_lm(model),
             fuse_lora=fuse_lora,
             join_projections=join_projections,
-            compile_ops=compile_ops,
-            pointwise_kernels=pointwise_kernels,
+            options=ops,
         )
         self.dtype = self.stack.dtype
         self.prefill = Prefill(

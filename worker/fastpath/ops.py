@@ -12,6 +12,7 @@ import copy
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,6 +62,20 @@ def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class OpsOptions:
+    """Which elementwise kernels the loop runs (the worker's `--no-compile` and `--pointwise-kernels`).
+    `compile_ops`: the fused steps torch.compile'd (bf16/fp16 on a GPU), and prefill's rotary and SiLU x up by our
+    Triton kernels where they run; off, everything eager (for comparisons). `pointwise_kernels`: the decode
+    step's rotary and SiLU x up by ours too (and prefill's even without `compile_ops`)."""
+
+    compile_ops: bool = True
+    pointwise_kernels: bool = False
+
+
+DEFAULT_OPS = OpsOptions()  # what the worker runs without `--no-compile` or `--pointwise-kernels`
 
 
 class Fused:

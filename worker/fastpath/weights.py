@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.fastpath import pointwise
-from worker.fastpath.ops import Ops, norm_of
+from worker.fastpath.ops import DEFAULT_OPS, Ops, OpsOptions, norm_of
 from worker.fastpath.quant4 import Layout4bit, float_absmax
 
 # Where the loop runs 4-bit weights by bitsandbytes' ops itself (scales decoded once, one dequantise op). On the
@@ -366,23 +366,22 @@ class Stack:
     """The model's decoder as the loop computes it: embedding, layers (weights joined, LoRA applied by the
     loop), final norm, rotary embedding and LM head, and the per-layer math every path shares."""
 
-    def __init__(
-        self, lm: Any, *, fuse_lora: bool, join_projections: bool, compile_ops: bool, pointwise_kernels: bool = False
-    ) -> None:
+    def __init__(self, lm: Any, *, fuse_lora: bool, join_projections: bool, options: OpsOptions = DEFAULT_OPS) -> None:
         cfg = lm.config
         self.embed, self.norm, self.rotary = lm.model.embed_tokens, norm_of(lm.model.norm), lm.model.rotary_emb
         self.head = lm.lm_head
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
         # Residual adds with the norms after them, rotary, SiLU x up: one compiled kernel each (bf16/fp16 on a GPU).
-        compiled = compile_ops and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+        on_gpu = self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+        compiled = options.compile_ops and on_gpu
         self.ops = Ops(compiled)
         # Prefill's rotary and SiLU x up by our Triton kernels wherever they run (bf16/fp16 on a GPU), unless the
         # fused steps are off (eager everywhere, for comparisons); with `pointwise_kernels` the decode step's too,
         # and prefill's even then (see `Ops`). One copy serves both: a kernel's failure switches it off for both.
         kernels = self.ops.with_kernels() if pointwise.available(self.device, self.dtype) else self.ops
-        self.prefill_ops = kernels if compile_ops or pointwise_kernels else self.ops
-        self.step_ops = kernels if pointwise_kernels else self.ops
+        self.prefill_ops = kernels if options.compile_ops or options.pointwise_kernels else self.ops
+        self.step_ops = kernels if options.pointwise_kernels else self.ops
         # fuse_lora=False keeps PEFT's float32 LoRA arithmetic in bf16/fp16 models too (slower; for comparisons).
         # join_projections=False runs q/k/v and gate/up as separate matmuls (for comparisons).
         layers = lm.model.layers[: cfg.num_hidden_layers]
