@@ -118,3 +118,43 @@ def test_bisected_decision_spans_equal_a_token_by_token_scan(tiny_models: Path) 
     for trial in range(400):
         ids = [rng.randrange(len(vocab)) for _ in range(rng.randrange(12))]
         assert decision_span(ids, fake, "Decision:") == _scanned_span(ids, fake, "Decision:"), (trial, ids)
+
+
+def test_the_backend_decoder_gives_the_tokenizers_own_text_or_is_not_used(tiny_models: Path) -> None:
+    """`text_decoder`: a fast tokenizer's Rust backend, decoding without transformers' per-call walk over the
+    ids, gives `tokenizer.decode`'s text for random ids (split multi-byte characters, special tokens, either
+    `skip_special_tokens`); a tokenizer that cleans up spaces, has no backend, or whose backend disagrees keeps
+    its own `decode`."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from worker.outputs import text_decoder
+
+    tok = AutoTokenizer.from_pretrained(tiny_models / "base")
+    decode = text_decoder(tok)
+    assert decode is not tok.decode and text_decoder(tok) is decode  # the fast one, made once
+    rng = random.Random(3)
+    special = tok.all_special_ids
+    for _ in range(300):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.choice((0, 1, 7, 40)))] + rng.sample(special, 1)
+        rng.shuffle(ids)
+        for skip in (False, True):
+            assert decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip), ids
+    cleaning = AutoTokenizer.from_pretrained(tiny_models / "base", clean_up_tokenization_spaces=True)
+    assert text_decoder(cleaning) == cleaning.decode
+    slow = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: "x")
+    assert text_decoder(slow) == slow.decode
+
+    class Disagreeing:
+        backend_tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: "?")
+        all_special_ids = ()
+
+        def __len__(self) -> int:
+            return 8
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            return "".join(map(str, ids))
+
+    odd = Disagreeing()
+    assert text_decoder(odd) == odd.decode

@@ -27,7 +27,7 @@ from worker.eager import generate_eager, sampling_params
 from worker.fastpath import DEFAULT_OPS, Decoded, OpsOptions, StaticDecoder, row_bucket
 from worker.loading import LoadedBase, load_all, stop_ids
 from worker.memory import MIB, BatchPlan
-from worker.outputs import RowOutput, as_label, generated_output, token_bytes
+from worker.outputs import RowOutput, as_label, generated_output, text_decoder, token_bytes
 from worker.packing import OomGuard, pack
 from worker.planner import MemoryBudget
 from worker.prompts import Encoder
@@ -327,7 +327,7 @@ class Engine:
             bad=bool(decoded.bad[row]),
             stops=set(call.stop_ids),
             cut_short=decoded.cut_short,
-            decode=call.base.tokenizer.decode,
+            decode=text_decoder(call.base.tokenizer),
             decision_prefix=self.config.models[item.job.model].decision_prefix,
             reported=reported,
             top_logprobs=item.job.top_logprobs,
