@@ -87,6 +87,8 @@ class Engine:
         # `bases` lets a caller that loaded the models itself (kevlaya memory, measuring each stage) reuse them.
         self.bases: dict[str, LoadedBase] = bases if bases is not None else load_all(config, self.device)
         self.encoder = Encoder(config, self.bases)
+        for base in self.bases.values():
+            text_decoder(base.tokenizer)  # checked against the tokenizer's own decode once, here, not in a take
         self.choices = ChoiceTokens(config, self.bases)
         self.phase_s: Counter[str] = Counter()  # seconds spent encoding prompts and building outputs
         self._longest_prompt: dict[str, int] = {}  # per model, in its last batch: sizes the worker's take
