@@ -15,7 +15,8 @@ A separate `kevlaya worker` process (its default settings; only `--config`, `--d
 - openai: 300 OpenAI Batch lines (chat bodies);
 - mixed: 3,000 jobs of all the kinds above, shuffled.
 
-Per workload: decisions/s (items / wall time from the first submit to `status --wait` returning), prompt and
+Per workload: decisions/s (items / wall time from the first submit to `status --wait` returning; beside it the
+seconds the worker's batches spent in the engine, the rest being the CLI, Redis and the worker's own work), prompt and
 generated tokens/s (from the results' usage), the out-of-memory errors and graph captures the worker logged
 meanwhile, the peak GPU memory NVML reported meanwhile (this bench never opens a CUDA context itself: the
 models are built in a subprocess; without per-process NVML figures the device's used memory is reported,
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -169,16 +171,30 @@ def kevlaya(*args: str, redis_url: str, stdin: bytes | None = None) -> str:
     return out.stdout.decode()
 
 
-def log_counts(path: Path) -> tuple[int, int]:
-    """(out-of-memory errors, graph captures) the worker has logged so far."""
-    text = path.read_text(errors="replace")
-    return len(re.findall(r"OUT OF MEMORY at", text)), len(re.findall(r"decode: captured a graph", text))
+@dataclass(frozen=True)
+class LogCounts:
+    """What the worker has logged so far: out-of-memory errors, graph captures, and the seconds its batches
+    spent in the engine (the rest of a workload's wall time is the CLI, Redis and the worker's own work)."""
+
+    oom: int
+    captures: int
+    engine_s: float
+
+    @classmethod
+    def of(cls, text: str) -> LogCounts:
+        engine = sum(float(s) for s in re.findall(r" batch model=\S+ .* engine=([0-9.]+)s", text))
+        oom = len(re.findall(r"OUT OF MEMORY at", text))
+        return cls(oom=oom, captures=len(re.findall(r"decode: captured a graph", text)), engine_s=engine)
+
+
+def log_counts(path: Path) -> LogCounts:
+    return LogCounts.of(path.read_text(errors="replace"))
 
 
 def run_workload(
     name: str, jobs: list[dict[str, Any]], *, redis_url: str, out_dir: Path, log_path: Path, peak: NvmlPeak
 ) -> dict[str, Any]:
-    oom0, cap0 = log_counts(log_path)
+    before = log_counts(log_path)
     waves = 8 if name == "stream" else 1
     size = -(-len(jobs) // waves)
     with peak:
@@ -201,7 +217,7 @@ def run_workload(
             prompt += usage.get("prompt_tokens", 0)
             generated += usage.get("completion_tokens", 0)
         errors += "error" in row
-    oom1, cap1 = log_counts(log_path)
+    after = log_counts(log_path)
     report = {
         "items": len(jobs),
         "wall_s": round(wall, 2),
@@ -210,8 +226,9 @@ def run_workload(
         "generated_tokens_per_s": round(generated / wall),
         "tokens_per_s": round((prompt + generated) / wall),
         "errors": errors,
-        "oom": oom1 - oom0,
-        "captures": cap1 - cap0,
+        "oom": after.oom - before.oom,
+        "captures": after.captures - before.captures,
+        "engine_s": round(after.engine_s - before.engine_s, 2),
         "peak_mib": round(peak.peak / MIB) if peak.available else None,
         "peak_is_per_process": peak.per_process,
     }
@@ -292,7 +309,8 @@ def _row(name: str, r: dict[str, Any], args: argparse.Namespace, argv: list[str]
     if args.nightly_tokens_per_s:
         ratio = f", {r['tokens_per_s'] / args.nightly_tokens_per_s:.2f}x nightly-2000's tok/s"
     figures = (
-        f"{r['items']} items in {r['wall_s']:.1f} s: {r['decisions_per_s']:.1f} decisions/s, "
+        f"{r['items']} items in {r['wall_s']:.1f} s ({r['engine_s']:.1f} s in the engine): "
+        f"{r['decisions_per_s']:.1f} decisions/s, "
         f"{r['prompt_tokens_per_s']} prompt + {r['generated_tokens_per_s']} generated tok/s{ratio}, "
         f"{r['oom']} OOM, {r['captures']} captures, {r['errors']} errors, {peak}"
     )

@@ -1,0 +1,21 @@
+"""`bench mixed` reads its figures from the worker's log: out-of-memory errors, graph captures and the seconds
+each batch spent in the engine, from the worker's own lines only."""
+
+from __future__ import annotations
+
+from bench.mixed import LogCounts
+
+LOG = """\
+02:28:19 INFO kevlaya.worker: batch model=laya n=256 ran=256 tokens=8192 wait=0.13s engine=1.52s total=1.56s tok/s=5377
+02:28:19 INFO kevlaya.engine: take for laya: 160 rows at prompts up to 426 tokens: 253 MiB left
+02:28:19 INFO kevlaya.fastpath: decode: captured a graph for 160 rows x 512 tokens (laya; 10 captured)
+02:28:20 INFO kevlaya.worker: batch model=kev+laya n=160 ran=160 tokens=5120 wait=1.69s engine=0.73s total=0.75s
+02:28:21 ERROR kevlaya.engine: OUT OF MEMORY at 160 rows (out-of-memory error #1 of this worker): ...
+02:28:21 INFO kevlaya.worker: job j1 says engine=9.99s in its prompt, not a batch line
+"""
+
+
+def test_the_log_gives_oom_captures_and_engine_seconds() -> None:
+    counts = LogCounts.of(LOG)
+    assert counts == LogCounts(oom=1, captures=1, engine_s=1.52 + 0.73)
+    assert LogCounts.of("") == LogCounts(oom=0, captures=0, engine_s=0.0)
