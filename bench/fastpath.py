@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             path.read_text().replace('compute_dtype = "bfloat16"', f'compute_dtype = "{args.compute_dtype}"')
         )
     config = load_config(path)
+    ops = OpsOptions(pointwise_kernels=args.pointwise_kernels)  # every loop engine of this run
     eager = TokenRecorder(config, device=args.device, memory_budget_bytes=budget, max_batch_rows=512, decode="eager")
     static = TokenRecorder(
         config,
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         max_batch_rows=512,
         decode="auto",
         bases=eager.bases,
-        ops=OpsOptions(pointwise_kernels=args.pointwise_kernels),
+        ops=ops,
     )
     if args.exact_lora:
         for name, decoder in static.decoders.items():
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 static.device,
                 use_graphs=decoder.use_graphs,
                 fuse_lora=False,
-                ops=OpsOptions(pointwise_kernels=args.pointwise_kernels),
+                ops=ops,
             )
     tok = eager.base_for("laya").tokenizer
     specs = workload(max(args.rows, 256), 0.0, tokenizer=tok, seed=5)
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             max_batch_rows=512,
             decode="static",
             bases=eager.bases,
-            ops=OpsOptions(pointwise_kernels=args.pointwise_kernels),
+            ops=ops,
         )
         kernel_profile(static, [replace(j, max_new_tokens=1) for j in nightly_like], out_dir, "prefill")
         # Decode-heavy (17 new tokens per row): the table is mostly the loop's decode step, run without graphs.

@@ -14,7 +14,7 @@ import re
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shared.errors import NON_FINITE_LOGITS, TIMEOUT
 from shared.result import ErrorInfo, TokenLogprob, TopLogprob
@@ -209,14 +209,24 @@ class TokenBytes:
 
 
 _TOKEN_BYTES: weakref.WeakKeyDictionary[Any, TokenBytes] = weakref.WeakKeyDictionary()
+T = TypeVar("T")
+
+
+def per_tokenizer(cache: weakref.WeakKeyDictionary[Any, T], tokenizer: Any, make: Callable[[Any], T]) -> T:
+    """`make(tokenizer)`, made once per tokenizer (kept while it lives); made each time for an object that takes
+    no weak reference."""
+    try:
+        found = cache.get(tokenizer)
+    except TypeError:
+        return make(tokenizer)
+    if found is None:
+        found = cache[tokenizer] = make(tokenizer)
+    return found
 
 
 def token_bytes(tokenizer: Any) -> TokenBytes:
     """The tokenizer's TokenBytes, made once."""
-    found = _TOKEN_BYTES.get(tokenizer)
-    if found is None:
-        found = _TOKEN_BYTES[tokenizer] = TokenBytes(tokenizer)
-    return found
+    return per_tokenizer(_TOKEN_BYTES, tokenizer, TokenBytes)
 
 
 Decode = Callable[..., str]
@@ -234,13 +244,7 @@ def text_decoder(tokenizer: Any) -> Decode:
     tokenizer's Rust backend decodes the same list directly. Used only where it is the whole of the tokenizer's
     decoding -- a fast tokenizer that cleans up no spaces -- and where it gives the tokenizer's own text on a
     probe of its vocabulary; elsewhere the tokenizer's `decode`."""
-    try:
-        found = _DECODERS.get(tokenizer)
-    except TypeError:  # an object that takes no weak reference: made again each time
-        return _backend_decoder(tokenizer) or tokenizer.decode
-    if found is None:
-        found = _DECODERS[tokenizer] = _backend_decoder(tokenizer) or tokenizer.decode
-    return found
+    return per_tokenizer(_DECODERS, tokenizer, lambda t: _backend_decoder(t) or t.decode)
 
 
 def _backend_decoder(tokenizer: Any) -> Decode | None:

@@ -11,9 +11,9 @@ through that layer before the next one (chunk by chunk through all layers, the s
 and the LoRA merged -- once per chunk: ~19% of prefill GPU time on the H200). Chunks of one adapter run with its
 LoRA merged into the dequantised weights (in place for the last adapter a layer serves); mixed chunks add each
 adapter's delta masked per row. The price is memory: the group's hidden states (the residual stream and its
-norm) are held between layers. Bounding them by a group, not the whole take, makes them a fixed cost the
-planner sets aside once (`ModelShape.prefill_held_bytes_per_token` x the group), not one per row: planned per
-row, they cost nightly-like takes ~12% of their rows, more than the dequantisation saved. Should the loop's
+norm) are held between layers. Bounding them by a group, not the whole take, caps what the planner sets aside
+(`ModelShape.prefill_held_bytes_per_token` per padded token, up to one group; a smaller take only its own):
+planned per row past a group, they cost nightly-like takes ~12% of their rows. Should the loop's
 own prefill ever fail on a device, the model's own forward takes over from then on (with a log line).
 """
 
@@ -35,8 +35,8 @@ from worker.fastpath.weights import Dense, Layer, Masks, Stack, is_mixed, only_a
 log = logging.getLogger("kevlaya.fastpath")
 
 # A layer-major group of 8 chunks of the default 4,096 tokens: each layer dequantised once per 8 chunks, not per
-# chunk; for a Qwen2.5-1.5B shape in bfloat16 (6,160 bytes a token) ~192 MiB held, a fixed cost the planner
-# sets aside (worker/memory.py).
+# chunk; for a Qwen2.5-1.5B shape in bfloat16 (6,160 bytes a token) ~192 MiB held at most, what the planner sets
+# aside for a take larger than a group (worker/memory.py).
 GROUP_TOKENS = 32768
 # What the loop runs by default. Measured on the H200 under a 6 GiB budget (`python -m bench prefill`, one
 # process, the median of 3 runs; 256 nightly rows / 64 Kev rows at 1,024 tokens / 256 rows scoring 3 choices):
@@ -216,7 +216,7 @@ class Prefill:
         self.merge_lora = merge_lora
         self.own = True  # False: prefill through the model's forward (after a failure, or to compare)
         # The most one group of the last take held between layers (its chunks' hidden states, ids and cache
-        # columns), measured from the tensors: what the planner's fixed term must cover.
+        # columns), measured from the tensors: what the planner's held term must cover.
         self.held_bytes = 0
         # The elementwise steps a chunk's layers run: the stack's prefill set (our rotary and SiLU x up on a GPU).
         self.ops: Ops = stack.prefill_ops
