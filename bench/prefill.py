@@ -8,7 +8,10 @@ workload, a warm-up run and `--repeats` timed runs of the engine generating one 
 outputs), reported as prompt tokens per second of the median run, beside the engine's phases (`prefill`, or
 `score` for choices; `decode_steps` counts the takes). Workloads: `nightly` (nightly-2000's 128-256-token Laya
 prompts), `long` (Kev prompts cut at the 1,024-token input limit) and `choices` (the nightly prompts with 3
-labels scored: prefill plus the choice pass, which runs the compiled steps in every variant). One new token a
+labels scored: prefill plus the choice pass, which runs the compiled steps in every variant) and `mixed` (the
+nightly prompts, every other row Kev: each chunk holds both adapters, their LoRA masked per row). On CUDA each
+run also reports its peak allocation above the start (the reused KV pool not in it: prefill's transients, its
+held hidden states, the first-token logits) beside the held states and the plan's chunk set-aside. One new token a
 row keeps each take's KV small: a variant that plans more prefill memory costs generation takes more rows than
 these show. Machine to machine the figures move 10-20%: compare variants within one run only.
 
@@ -35,7 +38,7 @@ from bench.nightly import workload
 from shared.job import Job
 from worker.config import load_config
 from worker.engine import Engine
-from worker.memory import parse_bytes
+from worker.memory import MIB, parse_bytes, prefill_chunk_bytes
 
 
 def workloads(engine: Engine, rows: int) -> dict[str, list[Job]]:
@@ -48,7 +51,9 @@ def workloads(engine: Engine, rows: int) -> dict[str, list[Job]]:
         for i in range(max(1, rows // 4))
     ]
     choices = [replace(j, choices=tuple(CHOICES), max_new_tokens=None) for j in nightly]
-    return {"nightly": nightly, "long": long, "choices": choices}
+    # Kev and Laya rows of the same lengths side by side: every chunk holds both adapters (LoRA masked per row).
+    mixed = [replace(j, model="kev" if i % 2 else "laya") for i, j in enumerate(nightly)]
+    return {"nightly": nightly, "long": long, "choices": choices, "mixed": mixed}
 
 
 def timed(engine: Engine, jobs: list[Job], device: str, repeats: int) -> dict[str, Any]:
@@ -60,17 +65,26 @@ def timed(engine: Engine, jobs: list[Job], device: str, repeats: int) -> dict[st
     for _ in range(repeats):
         before, retries = engine.phase_seconds(), alloc_retries(device)
         sync(device)
+        start_bytes = reset_peak(device)
         t0 = time.perf_counter()
         outs = engine.run(jobs)
         sync(device)
         wall = time.perf_counter() - t0
         after = engine.phase_seconds()
         phases = {k: round(after[k] - before.get(k, 0.0), 4) for k in after if after[k] != before.get(k, 0.0)}
-        runs.append({"wall_s": round(wall, 4), "phases_s": phases, "alloc_retries": alloc_retries(device) - retries})
+        runs.append(
+            {
+                "wall_s": round(wall, 4),
+                "phases_s": phases,
+                "alloc_retries": alloc_retries(device) - retries,
+                "peak_above_start_mib": round((peak_allocated(device) - start_bytes) / MIB),
+            }
+        )
         if errors := [o.error for o in outs if o.error is not None]:
             raise RuntimeError(f"{len(errors)} rows failed, e.g. {errors[0]}")
     tokens = sum(o.prompt_tokens for o in outs)
     median = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
+    median = {**median, **memory_figures(engine, jobs, max(r["peak_above_start_mib"] for r in runs))}
     return {
         "rows": len(jobs),
         "prompt_tokens": tokens,
@@ -86,6 +100,44 @@ def alloc_retries(device: str) -> int:
     import torch
 
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+
+
+def reset_peak(device: str) -> int:
+    """CUDA: starts the allocator's peak afresh; returns what is allocated now (0 elsewhere)."""
+    if not device.startswith("cuda"):
+        return 0
+    import torch
+
+    torch.cuda.reset_peak_memory_stats()
+    return int(torch.cuda.memory_allocated())
+
+
+def peak_allocated(device: str) -> int:
+    if not device.startswith("cuda"):
+        return 0
+    import torch
+
+    return int(torch.cuda.max_memory_allocated())
+
+
+def memory_figures(engine: Engine, jobs: list[Job], peak_above_mib: int) -> dict[str, int]:
+    """The take's memory beside what the planner sets aside for it: the peak above what was allocated before
+    the run (the KV pool reused, so: prefill's transients, its held hidden states, the first-token logits),
+    the held states measured from their tensors, and the plan's prefill chunk set-aside."""
+    decoder = engine.decoders[engine.config.models[jobs[0].model].base]
+    base = engine.base_for(jobs[0].model)
+    vocab = base.shape.vocab
+    return {
+        "peak_above_start_mib": peak_above_mib,
+        "held_mib": round(decoder.prefill.held_bytes / MIB),
+        "logits_mib": round(len(jobs) * vocab * 2 / MIB),
+        "planned_chunk_mib": round(
+            prefill_chunk_bytes(
+                base.shape, chunk_tokens=decoder.prefill.tokens, input_tokens=512, flash=decoder.own_prefill
+            )
+            / MIB
+        ),
+    }
 
 
 def use_variant(engine: Engine, ops: str, chunk_tokens: int, group_tokens: int) -> None:
@@ -107,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--chunks", default="4096", help="prefill chunk sizes (tokens) to compare")
     parser.add_argument("--groups", default="0,32768", help="layer-major group sizes (tokens; 0: each chunk alone)")
     parser.add_argument("--ops", default="compiled,kernels", help="compiled and/or kernels (ours)")
-    parser.add_argument("--only", default="nightly,long,choices", help="workloads to run")
+    parser.add_argument("--only", default="nightly,long,choices,mixed", help="workloads to run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
@@ -135,7 +187,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cells = "; ".join(
         f"{r['workload']} {r['ops']}{'' if r['kernels_ran'] == (r['ops'] == 'kernels') else ' (FELL BACK)'} "
         f"{r['chunk_tokens']}/{r['group_tokens']}: {r['tokens_per_s']} tok/s ({r['wall_s']:.3f} s, "
-        f"{phase(r)} {r['phases_s'].get(phase(r), 0):.3f} s)"
+        f"{phase(r)} {r['phases_s'].get(phase(r), 0):.3f} s, peak +{r['peak_above_start_mib']} MiB: held "
+        f"{r['held_mib']}, logits {r['logits_mib']}, chunk planned {r['planned_chunk_mib']})"
         for r in report["runs"]
     )
     append_results(

@@ -171,6 +171,20 @@ def most_rows(plan: BatchPlan, cap: int) -> int:
     return low
 
 
+def prefill_chunk_bytes(
+    shape: ModelShape, *, chunk_tokens: int, input_tokens: int, dtype_bytes: int = 2, flash: bool = False
+) -> int:
+    """What the static loop's chunked prefill sets aside for one chunk of `chunk_tokens` prompt tokens going
+    through a layer: its activations and K/V, and the layer's dequantised weights (two layers' worth: a chunk of
+    one adapter merges LoRA into a copy). Unplanned, the weights OOMed long-prompt batches on the H200 under a
+    6 GiB budget. Without `flash` attention the score matrices of the chunk's rows come on top."""
+    chunk = chunk_tokens * (shape.kv_bytes_per_token(dtype_bytes) + shape.prefill_bytes_per_token(dtype_bytes))
+    chunk += 2 * shape.layer_weight_bytes(dtype_bytes)
+    if not flash:
+        chunk += max(1, chunk_tokens // max(1, input_tokens)) * shape.attention_bytes_per_row(input_tokens)
+    return int(chunk * SAFETY_FACTOR)
+
+
 def plan_batch(
     shape: ModelShape,
     *,
@@ -225,14 +239,10 @@ def plan_batch(
         per_row += shape.attention_bytes_per_row(input_tokens) + shape.decode_bytes_per_row()
         per_row = int(per_row * SAFETY_FACTOR)
     else:
-        chunk_rows = max(1, prefill_chunk_tokens // max(1, input_tokens))
-        chunk = prefill_chunk_tokens * (kv + shape.prefill_bytes_per_token(dtype_bytes))
-        # Prefill dequantises a layer's weights (and, for a single-adapter chunk, merges LoRA into a copy): two
-        # layers' worth at a time. Unplanned, it OOMed long-prompt batches on the H200 under a 6 GiB budget.
-        chunk += 2 * shape.layer_weight_bytes(dtype_bytes)
-        if not flash_prefill:
-            chunk += chunk_rows * shape.attention_bytes_per_row(input_tokens)
-        free -= int(chunk * SAFETY_FACTOR)
+        free -= prefill_chunk_bytes(
+            shape, chunk_tokens=prefill_chunk_tokens, input_tokens=input_tokens, dtype_bytes=dtype_bytes,
+            flash=flash_prefill,
+        )  # fmt: skip
         held_row = held_cap = 0
         if prefill_group_tokens is not None:
             # A layer-major group's held hidden states: exact tensors, no margin. A group holds at most

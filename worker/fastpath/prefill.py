@@ -392,8 +392,14 @@ class Prefill:
         k_cache[c.rows, :, c.columns] = k.transpose(1, 2)
         v_cache[c.rows, :, c.columns] = v.transpose(1, 2)
         out = causal_attention(q, k, v, scale=layer.scaling)
+        # Each intermediate let go as soon as it is read: the MLP's peak (gate/up and their product) is what
+        # the planner sets aside per chunk, without the attention's queries and output beside it.
+        del q, k, v
         attn = out.transpose(1, 2).reshape(count, span, s.heads * s.head_dim)
-        h, x = s.rest(layer, held.h, attn, masks, s.next_norm(i), weights, ops=self.ops)
+        del out
+        h, x = s.attn_out(layer, held.h, attn, masks, weights, ops=self.ops)
+        del attn
+        h, x = s.mlp(layer, h, x, masks, s.next_norm(i), weights, ops=self.ops)
         return Hidden(h=h, x=x)
 
     def through_model(

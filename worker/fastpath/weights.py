@@ -150,12 +150,17 @@ class Proj:
 def fused_delta(
     result: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """result + mask * (x A^T) B^T in two kernels (`linear`, then `addmm` adding into the result)."""
+    """result + mask * (x A^T) B^T in two kernels (`linear`, then `addmm` adding into the result). `result` is
+    a projection's fresh output, nobody else's: where contiguous it takes the delta in place -- out of place,
+    `addmm` first copies it whole (a prefill chunk's gate/up output is ~147 MiB, held twice at the peak)."""
     low = F.linear(x, a)
     if mask is not None:
         low = low * mask
-    flat = torch.addmm(result.reshape(-1, result.shape[-1]), low.reshape(-1, low.shape[-1]), b.t())
-    return flat.view(result.shape)
+    low = low.reshape(-1, low.shape[-1])
+    if result.is_contiguous():
+        result.view(-1, result.shape[-1]).addmm_(low, b.t())
+        return result
+    return torch.addmm(result.reshape(-1, result.shape[-1]), low, b.t()).view(result.shape)
 
 
 class Group:
@@ -433,7 +438,32 @@ class Stack:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after attention -- output projection and residual, the MLP and its residual -- and the
         next norm's output (each residual add fused with the norm after it; by `ops`, default the stack's own)."""
+        h, x = self.attn_out(layer, h, attn, masks, dense, ops)
+        return self.mlp(layer, h, x, masks, next_norm, dense, ops)
+
+    def attn_out(
+        self,
+        layer: Layer,
+        h: torch.Tensor,
+        attn: torch.Tensor,
+        masks: Masks,
+        dense: Dense = NO_DENSE,
+        ops: Ops | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output projection, its residual, and the MLP's normed input (the first half of `rest`)."""
+        return (ops or self.ops).add_norm(h, layer.o(attn, masks, dense[1]), layer.norm2)
+
+    def mlp(
+        self,
+        layer: Layer,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        masks: Masks,
+        next_norm: Callable[[torch.Tensor], torch.Tensor],
+        dense: Dense = NO_DENSE,
+        ops: Ops | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP, its residual, and the next norm's output (the second half of `rest`)."""
         ops = ops or self.ops
-        h, x = ops.add_norm(h, layer.o(attn, masks, dense[1]), layer.norm2)
         (gate, up), _ = layer.gate_up(x, masks, dense[2])
         return ops.add_norm(h, layer.down(ops.act_mul(layer.act, gate, up), masks, dense[3]), next_norm)
