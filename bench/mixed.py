@@ -179,12 +179,18 @@ class LogCounts:
     oom: int
     captures: int
     engine_s: float
+    headrooms_mib: tuple[int, ...]  # each take's allocator cap less its peak (CUDA), in order
 
     @classmethod
     def of(cls, text: str) -> LogCounts:
         engine = sum(float(s) for s in re.findall(r" batch model=\S+ .* engine=([0-9.]+)s", text))
         oom = len(re.findall(r"OUT OF MEMORY at", text))
-        return cls(oom=oom, captures=len(re.findall(r"decode: captured a graph", text)), engine_s=engine)
+        return cls(
+            oom=oom,
+            captures=len(re.findall(r"decode: captured a graph", text)),
+            engine_s=engine,
+            headrooms_mib=tuple(int(h) for h in re.findall(r"take: .* headroom (-?[0-9]+) MiB", text)),
+        )
 
 
 def log_counts(path: Path) -> LogCounts:
@@ -229,6 +235,7 @@ def run_workload(
         "oom": after.oom - before.oom,
         "captures": after.captures - before.captures,
         "engine_s": round(after.engine_s - before.engine_s, 2),
+        "min_headroom_mib": min(after.headrooms_mib[len(before.headrooms_mib) :], default=None),
         "peak_mib": round(peak.peak / MIB) if peak.available else None,
         "peak_is_per_process": peak.per_process,
     }
@@ -314,6 +321,8 @@ def _row(name: str, r: dict[str, Any], args: argparse.Namespace, argv: list[str]
         f"{r['prompt_tokens_per_s']} prompt + {r['generated_tokens_per_s']} generated tok/s{ratio}, "
         f"{r['oom']} OOM, {r['captures']} captures, {r['errors']} errors, {peak}"
     )
+    if r.get("min_headroom_mib") is not None:
+        figures += f", least allocator headroom {r['min_headroom_mib']} MiB"
     hardware = f"{args.device} budget {args.memory_budget or 'GPU total - 512 MiB (worker default)'}"
     changed = " + `--pointwise-kernels`" if args.pointwise_kernels else ""
     model = f"{args.shape or 'default'} shape NF4, `kevlaya worker` defaults (+ `--memory-budget` if given){changed}"

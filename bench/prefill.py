@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import append_results, hardware, model_dir, save_json, sync, write_config
+from bench.fastpath import kernel_profile
 from bench.mixed import CHOICES
 from bench.nightly import workload
 from shared.job import Job
@@ -161,6 +162,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ops", default="compiled,kernels", help="compiled and/or kernels (ours)")
     parser.add_argument("--only", default="nightly,long,choices,mixed", help="workloads to run")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--profile", action="store_true", help="CUDA: a kernel table per workload, first variant (kernels-prefill-*)"
+    )
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     budget = parse_bytes(args.memory_budget) if args.device.startswith("cuda") else None
@@ -183,6 +187,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 r["kernels_ran"] = ran
                 report["runs"].append(r)
                 print("prefill", r, flush=True)
+    if args.profile and args.device.startswith("cuda"):
+        use_variant(engine, ops[0], ints(args.chunks)[0], ints(args.groups)[0])
+        for name, jobs in loads.items():
+            kernel_profile(engine, jobs, Path(args.out), f"prefill-{name}")
     save_json(Path(args.out), "prefill.json", report)
     cells = "; ".join(
         f"{r['workload']} {r['ops']}{'' if r['kernels_ran'] == (r['ops'] == 'kernels') else ' (FELL BACK)'} "

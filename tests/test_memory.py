@@ -241,7 +241,7 @@ def test_a_step_the_graphs_pool_already_holds_is_not_planned_again() -> None:
     shape = ModelShape.from_dict(QWEN_1_5B)
     weights = shape.weight_bytes(quantized=True, double_quant=True)
     common = dict(
-        budget_bytes=6 * GIB, input_tokens=200, new_tokens=32, prefill_chunk_tokens=4096,
+        budget_bytes=5 * GIB, input_tokens=200, new_tokens=32, prefill_chunk_tokens=4096,
         cache_tokens=length_bucket(232), flash_prefill=True, choice_chunk_rows=32,
     )  # fmt: skip
     plain = plan_batch(shape, resident_bytes=weights, **common)

@@ -258,12 +258,26 @@ class Engine:
                 if self._past_deadline():
                     results = [RowOutput.failed(TIMEOUT, "the batch's time limit passed before it ran") for _ in chunk]
                 else:
+                    self.memory.take_started()
                     results = self.guard(fn, chunk)
+                    self._log_take(chunk, scoring)
                 for item, out in zip(chunk, results, strict=True):
                     outputs[item.index] = out
                 self.refresh_memory()  # the next sub-batch is planned beside the pool and graphs this one left
         done = [o if o is not None else RowOutput.failed(INTERNAL, "no output produced") for o in outputs]
         return [self._calibrated(job, out) for job, out in zip(jobs, done, strict=True)]
+
+    def _log_take(self, chunk: list[Item], scoring: bool) -> None:
+        """CUDA: a sub-batch's allocator peak beside the cap (see `MemoryBudget.take_peak`)."""
+        peak = self.memory.take_peak()
+        if peak is None:
+            return
+        longest = max(len(it.ids) for it in chunk)
+        log.info(
+            "take: %d %s rows (%s, prompts up to %d tokens): allocator peak %d MiB, cap %d MiB, headroom %d MiB",
+            len(chunk), "+".join(sorted({it.job.model for it in chunk})), "scoring" if scoring else "generation",
+            longest, peak.peak_bytes // MIB, peak.cap_bytes // MIB, peak.headroom_bytes // MIB,
+        )  # fmt: skip
 
     def _calibrated(self, job: Job, out: RowOutput) -> RowOutput:
         """The one place a configured calibration replaces the raw confidence (kept as raw_confidence)."""

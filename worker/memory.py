@@ -25,6 +25,13 @@ RESERVE_BYTES = 512 * MIB
 # Measured on an H200 capped at 6 GiB (Qwen2.5-1.5B shape, NF4 + LoRA, 192-token prompts): the real peak per
 # row ran up to ~1.3x this model's estimate (LoRA temporaries, float32 upcasts); plan with that margin.
 SAFETY_FACTOR = 1.4
+# The loop's own prefill, measured on the H200 under a 6 GiB budget (`python -m bench prefill`, f369c56): a
+# 4,096-token chunk's transients peaked ~340 MiB above its group's held states and first-token logits, whether
+# its rows used one adapter or both (LoRA masked per row), one layer's dequantised weights (~89 MiB) included.
+# The activation estimate (`prefill_bytes_per_token`, ~282 MiB for such a chunk) is itself above the measured
+# ~250 MiB; this margin on it, with two layers' weights exact, sets aside ~503 MiB (the safety factor on all of
+# it set aside 802 MiB: ~18 rows of a Kev take's 512-token cache).
+PREFILL_MARGIN = 1.15
 # A decode graph's own per-row buffers over its cache length (worker/fastpath/graphs.py State): the chosen
 # tokens (int64), their log-probabilities (float32) and the attention mask (bool).
 STATE_BYTES_PER_CACHE_TOKEN = 8 + 4 + 1
@@ -175,13 +182,20 @@ def prefill_chunk_bytes(
     shape: ModelShape, *, chunk_tokens: int, input_tokens: int, dtype_bytes: int = 2, flash: bool = False
 ) -> int:
     """What the static loop's chunked prefill sets aside for one chunk of `chunk_tokens` prompt tokens going
-    through a layer: its activations and K/V, and the layer's dequantised weights (two layers' worth: a chunk of
-    one adapter merges LoRA into a copy). Unplanned, the weights OOMed long-prompt batches on the H200 under a
-    6 GiB budget. Without `flash` attention the score matrices of the chunk's rows come on top."""
-    chunk = chunk_tokens * (shape.kv_bytes_per_token(dtype_bytes) + shape.prefill_bytes_per_token(dtype_bytes))
-    chunk += 2 * shape.layer_weight_bytes(dtype_bytes)
-    if not flash:
-        chunk += max(1, chunk_tokens // max(1, input_tokens)) * shape.attention_bytes_per_row(input_tokens)
+    through a layer: its activations, and the layer's dequantised weights (two layers' worth: the weights merged
+    with one adapter's LoRA are a copy where a group also runs another adapter's chunks). Unplanned, the weights
+    OOMed long-prompt batches on the H200 under a 6 GiB budget.
+
+    `flash`: the loop's own prefill (worker/fastpath/prefill.py), whose K/V go straight into the planned cache and
+    whose attention builds no score matrix; its transients were measured (`PREFILL_MARGIN`). Otherwise the
+    model's own forward: its chunk's K/V in a cache of its own, copied over, and (without flash attention) the
+    score matrices of the chunk's rows, all with the estimates' safety factor."""
+    weights = 2 * shape.layer_weight_bytes(dtype_bytes)
+    activations = chunk_tokens * shape.prefill_bytes_per_token(dtype_bytes)
+    if flash:
+        return int(activations * PREFILL_MARGIN) + weights
+    chunk = activations + chunk_tokens * shape.kv_bytes_per_token(dtype_bytes) + weights
+    chunk += max(1, chunk_tokens // max(1, input_tokens)) * shape.attention_bytes_per_row(input_tokens)
     return int(chunk * SAFETY_FACTOR)
 
 

@@ -111,6 +111,7 @@ class MemoryBudget:
         self.outside_allocator_bytes = 0  # CUDA: context, kernels, workspaces (measured)
         self.held_bytes: int | None = None  # CUDA: what the allocator holds (KV pools included), at the last look
         self.resident_bytes = 0  # the loaded models (see `count_resident`)
+        self._earlier_peak_bytes = 0  # CUDA: the allocator's peak before the current take's (`take_started`)
 
     def start(self) -> None:
         """CUDA: the context exists before the memory outside torch is measured; the allocator capped; the peak
@@ -227,5 +228,29 @@ class MemoryBudget:
     def peak_bytes(self) -> int:
         """Peak GPU memory allocated (CUDA), else the process's peak resident set size."""
         if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
+            return max(self._earlier_peak_bytes, int(torch.cuda.max_memory_allocated(self.device)))
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def take_started(self) -> None:
+        """CUDA: the allocator's peak starts afresh for a take (`take_peak`), the engine's peak kept."""
+        if self.device.type == "cuda":
+            self._earlier_peak_bytes = self.peak_bytes()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def take_peak(self) -> TakePeak | None:
+        """CUDA: what the take since `take_started` allocated at its peak, beside the most the allocator may hold:
+        a plan's honesty, take by take (a take of as many rows as planned that peaks far below the cap was
+        planned too cautiously; one that needed the allocator's slack, too boldly)."""
+        if self.device.type != "cuda":
+            return None
+        return TakePeak(peak_bytes=int(torch.cuda.max_memory_allocated(self.device)), cap_bytes=self.plannable_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TakePeak:
+    peak_bytes: int  # allocated at the take's peak (weights, pools and everything else resident included)
+    cap_bytes: int  # the allocator's cap: the budget less what lies outside the allocator
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.cap_bytes - self.peak_bytes

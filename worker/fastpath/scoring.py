@@ -27,7 +27,9 @@ from worker.fastpath.prefill import row_masks, to_device
 from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
 from worker.fastpath.weights import Stack
 
-LOGIT_ROWS = 256  # positions per LM-head slice: (slice, vocab) float32 logits and their log-softmax at a time
+# Positions per LM-head slice: (slice, vocab) logits, their float32 copy and log-softmax at a time (~185 MiB at
+# Qwen's vocabulary), within what the planner sets aside for a prefill chunk, which never runs beside them.
+LOGIT_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -183,10 +185,12 @@ def _continuation(
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling)
         attn = out.reshape(n, s.heads, span, s.head_dim).transpose(1, 2).reshape(n, span, s.heads * s.head_dim)
         h, x = s.rest(layer, h, attn, lora, s.next_norm(i), dense)
-    values: list[float] = []
+    picked: list[torch.Tensor] = []
     for start in range(0, lay.targets.numel(), LOGIT_ROWS):
         where = slice(start, start + LOGIT_ROWS)
         hidden = x[lay.rows[where], lay.columns[where]]
         logp = s.head(hidden).float().log_softmax(dim=-1)
-        values.extend(logp.gather(1, lay.targets[where, None])[:, 0].double().cpu().tolist())
+        picked.append(logp.gather(1, lay.targets[where, None])[:, 0])
+    # One copy to the host for all slices: a copy per slice would wait for the GPU each time.
+    values = torch.cat(picked).double().cpu().tolist() if picked else []
     return _Picked(owners=lay.owners, values=values)
