@@ -122,4 +122,4 @@ def test_first_token_logprobs_are_the_same_in_chunks_of_any_size(
     want = [whole[r, c[0]].item() for r, row in enumerate(rows) for c in row.choices]
     for chunk in (1, 2, 3, 32):
         monkeypatch.setattr(scoring, "CHOICE_CHUNK_ROWS", chunk)
-        assert scoring.first_token_logprobs(logits, rows) == want
+        assert scoring.first_token_logprobs(logits, rows).tolist() == want

@@ -19,13 +19,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from worker.fastpath.graphs import KV
 from worker.fastpath.prefill import row_masks, to_device
 from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
-from worker.fastpath.weights import Stack
+from worker.fastpath.weights import Masks, Stack
 
 # Positions per LM-head slice: (slice, vocab) logits, their float32 copy and log-softmax at a time (~185 MiB at
 # Qwen's vocabulary), within what the planner sets aside for a prefill chunk, which never runs beside them.
@@ -60,50 +61,59 @@ class _Layout:
     columns: torch.Tensor  # (P,) ...and its column among the T, whose output predicts...
     targets: torch.Tensor  # (P,) ...this token
     owners: list[tuple[int, int]]  # (row in the group, choice) of each scored position
+    masks: Masks  # the rows' LoRA selection (`row_masks`)
 
 
-def layout(rows: Sequence[ScoreRow], width: int, span: int, device: torch.device) -> _Layout:
+def layout(rows: Sequence[ScoreRow], width: int, span: int, dtype: torch.dtype, device: torch.device) -> _Layout:
+    """Built with numpy, a take at a time (not element by element: 256 rows of 3 choices were ~5,000 small
+    tensor operations on the host, ~40 ms while the GPU waited)."""
     n = len(rows)
-    tokens = torch.zeros((n, span), dtype=torch.long)
-    positions = torch.zeros((n, span), dtype=torch.long)
-    mask = torch.zeros((n, 1, span, width + span), dtype=torch.bool)
+    tokens = np.zeros((n, span), dtype=np.int64)
+    positions = np.zeros((n, span), dtype=np.int64)
+    choice_of = np.full((n, span), -1, dtype=np.int64)  # which choice of its row a token belongs to (-1: padding)
+    prompts = np.array([len(row.ids) for row in rows], dtype=np.int64)
     scored_rows: list[int] = []
     scored_columns: list[int] = []
     targets: list[int] = []
     owners: list[tuple[int, int]] = []
     for r, row in enumerate(rows):
-        prompt = len(row.ids)
-        mask[r, 0, :, width - prompt : width] = True  # every choice token sees the row's whole prompt
+        flat = [t for choice in row.choices for t in choice]
+        tokens[r, : len(flat)] = flat
         start = 0
         for c, choice in enumerate(row.choices):
             m = len(choice)
-            tokens[r, start : start + m] = torch.tensor(choice, dtype=torch.long)
-            positions[r, start : start + m] = torch.arange(prompt, prompt + m)
-            # Causal within the choice: token o sees the choice's tokens 0..o (its own K/V included).
-            mask[r, 0, start : start + m, width + start : width + start + m] = torch.ones(m, m, dtype=torch.bool).tril()
-            for o in range(m - 1):  # the output at token o scores token o + 1 (token 0: the prefill's logits)
-                scored_rows.append(r)
-                scored_columns.append(start + o)
-                targets.append(choice[o + 1])
-                owners.append((r, c))
+            positions[r, start : start + m] = np.arange(len(row.ids), len(row.ids) + m)
+            choice_of[r, start : start + m] = c
+            # The output at token o scores token o + 1 (token 0: the prefill's logits).
+            scored_rows.extend([r] * (m - 1))
+            scored_columns.extend(range(start, start + m - 1))
+            targets.extend(choice[1:])
+            owners.extend([(r, c)] * (m - 1))
             start += m
-        mask[r, 0, start:, width - 1] = True  # padding tokens attend to one real slot (no all-masked rows)
+    # Every choice token (and padding token) sees the row's whole prompt, right-aligned at `width`...
+    sees_prompt = np.arange(width)[None, :] >= (width - prompts)[:, None]  # (n, width)
+    # ...and, causally, the earlier tokens of its own choice (its own K/V included); padding sees no choice token.
+    own = (choice_of[:, :, None] == choice_of[:, None, :]) & (choice_of[:, :, None] >= 0)
+    causal = np.tri(span, dtype=bool)[None]
+    mask = np.concatenate((np.broadcast_to(sees_prompt[:, None, :], (n, span, width)), own & causal), axis=-1)
     long = lambda values: to_device(torch.tensor(values, dtype=torch.long), device)  # noqa: E731
     return _Layout(
-        tokens=to_device(tokens, device),
-        positions=to_device(positions, device),
-        mask=to_device(mask, device),
+        tokens=to_device(torch.from_numpy(tokens), device),
+        positions=to_device(torch.from_numpy(positions), device),
+        mask=to_device(torch.from_numpy(np.ascontiguousarray(mask))[:, None], device),
         rows=long(scored_rows),
         columns=long(scored_columns),
         targets=long(targets),
         owners=owners,
+        masks=row_masks(rows, dtype, device),
     )
 
 
-def first_token_logprobs(first_logits: torch.Tensor, rows: Sequence[ScoreRow]) -> list[float]:
-    """Each choice's first token's log-probability after its row's prompt, in the rows' choice order: the
-    logits' log-softmax in float32, `CHOICE_CHUNK_ROWS` rows at a time (as the greedy choice converts them), so a
-    take of hundreds of rows never holds a float32 copy of all its logits. Row-wise, so no number changes."""
+def first_token_logprobs(first_logits: torch.Tensor, rows: Sequence[ScoreRow]) -> torch.Tensor:
+    """Each choice's first token's log-probability after its row's prompt, in the rows' choice order (float32,
+    on the device): the logits' log-softmax in float32, `CHOICE_CHUNK_ROWS` rows at a time (as the greedy choice
+    converts them), so a take of hundreds of rows never holds a float32 copy of all its logits. Row-wise, so no
+    number changes."""
     device = first_logits.device
     parts: list[torch.Tensor] = []
     for start in range(0, len(rows), CHOICE_CHUNK_ROWS):
@@ -112,7 +122,7 @@ def first_token_logprobs(first_logits: torch.Tensor, rows: Sequence[ScoreRow]) -
         heads = torch.tensor([c[0] for row in part for c in row.choices], dtype=torch.long)
         which = torch.tensor([r for r, row in enumerate(part) for _ in row.choices], dtype=torch.long)
         parts.append(logp[to_device(which, device), to_device(heads, device)])
-    return torch.cat(parts).double().cpu().tolist() if parts else []
+    return torch.cat(parts) if parts else first_logits.new_zeros(0, dtype=torch.float32)
 
 
 def score_choices(
@@ -126,44 +136,40 @@ def score_choices(
     merge_lora: bool,
 ) -> Scored:
     """Each row's choices scored after its prompt, whose K/V `kv` already holds (prefilled, ending in column
-    `width - 1`); `first_logits` (rows, vocab) are the prefill's logits after each prompt (the LM head's dtype)."""
+    `width - 1`); `first_logits` (rows, vocab) are the prefill's logits after each prompt (the LM head's dtype).
+    The host builds every part's layout first, while the GPU still runs the prefill, and reads the
+    log-probabilities back once, at the end."""
+    span = max(row.choice_tokens for row in rows)
+    step = max(1, chunk_tokens // span)
+    parts = [
+        (start, layout(rows[start : start + step], width, span, stack.dtype, stack.device))
+        for start in (range(0, len(rows), step) if span > 1 else ())
+    ]
+    first = first_token_logprobs(first_logits, rows)
+    picked = [_continuation(stack, kv, lay, start, width, span, merge_lora) for start, lay in parts]
+    values = torch.cat([first, *picked]).double().cpu().tolist()
     sums = [[0.0] * len(row.choices) for row in rows]
-    bad = [False] * len(rows)
-    first_lp = first_token_logprobs(first_logits, rows)
     k = 0
     for r, row in enumerate(rows):
         for c in range(len(row.choices)):
-            sums[r][c] += first_lp[k]
+            sums[r][c] += values[k]
             k += 1
-    span = max(row.choice_tokens for row in rows)
-    if span > 1:
-        step = max(1, chunk_tokens // span)
-        for start in range(0, len(rows), step):
-            part = rows[start : start + step]
-            lp = _continuation(stack, kv, part, start, width, span, merge_lora)
-            for (r, c), value in zip(lp.owners, lp.values, strict=True):
-                sums[start + r][c] += value
-    for r in range(len(rows)):
-        bad[r] = not all(math.isfinite(v) for v in sums[r])
+    for start, lay in parts:
+        for r, c in lay.owners:
+            sums[start + r][c] += values[k]
+            k += 1
+    bad = [not all(math.isfinite(v) for v in row_sums) for row_sums in sums]
     return Scored(loglik=[tuple(s) for s in sums], bad=bad)
 
 
-@dataclass(frozen=True)
-class _Picked:
-    owners: list[tuple[int, int]]
-    values: list[float]
-
-
 def _continuation(
-    stack: Stack, kv: KV, part: Sequence[ScoreRow], offset: int, width: int, span: int, merge_lora: bool
-) -> _Picked:
-    """The choice tokens of rows `offset ...` through the layers, after their cached prompts: the
-    log-probability of every choice token after the first."""
+    stack: Stack, kv: KV, lay: _Layout, offset: int, width: int, span: int, merge_lora: bool
+) -> torch.Tensor:
+    """The choice tokens of rows `offset ...` (`lay`) through the layers, after their cached prompts: the
+    log-probability of every choice token after the first (float32, on the device, in `lay.owners` order)."""
     s = stack
-    device = s.device
-    lay = layout(part, width, span, device)
-    n = len(part)
-    masks = row_masks(part, s.dtype, device)
+    n = lay.tokens.shape[0]
+    masks = lay.masks
     h = s.embed(lay.tokens)
     cos, sin = s.rotary(h, lay.positions)
     x = s.ops.norm(s.layers[0].norm1, h)
@@ -191,6 +197,4 @@ def _continuation(
         hidden = x[lay.rows[where], lay.columns[where]]
         logp = s.head(hidden).float().log_softmax(dim=-1)
         picked.append(logp.gather(1, lay.targets[where, None])[:, 0])
-    # One copy to the host for all slices: a copy per slice would wait for the GPU each time.
-    values = torch.cat(picked).double().cpu().tolist() if picked else []
-    return _Picked(owners=lay.owners, values=values)
+    return torch.cat(picked) if picked else lay.tokens.new_zeros(0, dtype=torch.float32)

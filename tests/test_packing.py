@@ -1,0 +1,60 @@
+"""Sub-batches of a group of rows: each fits the plan at its rows' real lengths, and where the rows need several
+they are of even size (no sub-batch decodes the full answer length for a small tail)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shared.job import Job
+from worker.memory import BatchPlan
+from worker.packing import even_share, pack
+from worker.rows import Item
+
+
+def items(lengths: list[int]) -> list[Item]:
+    return [
+        Item(index=i, job=Job(custom_id=f"r{i}", model="kev", prompt="x"), ids=[1] * n, max_new=8, adapter="kev")
+        for i, n in enumerate(lengths)
+    ]
+
+
+def plan_of(rows_for: Any) -> Any:
+    """A fake `Engine.plan`: `rows_for(input_tokens)` rows fit."""
+
+    def plan(model: str, *, input_tokens: int, **_: Any) -> BatchPlan:
+        return BatchPlan(max_rows=rows_for(input_tokens), kv_bytes_per_token=1, bytes_per_row=1, free_bytes=1)
+
+    return plan
+
+
+def sizes(group: list[Item], rows_for: Any) -> list[int]:
+    parts = pack(group, scoring=False, on_loop=True, plan=plan_of(rows_for), choice_tokens=lambda job: 0)
+    return [len(p) for p in parts]
+
+
+@pytest.mark.parametrize(
+    ("cap", "wanted", "share"),
+    [(80, 200, 67), (80, 80, 80), (80, 50, 80), (80, 81, 41), (1, 5, 1), (256, 512, 256), (100, 301, 76)],
+)
+def test_even_share_splits_into_as_few_even_parts_as_the_cap_allows(cap: int, wanted: int, share: int) -> None:
+    assert even_share(cap, wanted) == share
+    parts = -(-wanted // cap)
+    assert -(-wanted // even_share(cap, wanted)) == parts  # never more sub-batches than greedy packing
+
+
+def test_rows_past_one_plan_are_split_evenly() -> None:
+    assert sizes(items([100] * 200), lambda n: 80) == [67, 67, 66]
+    assert sizes(items([100] * 80), lambda n: 80) == [80]
+    assert sizes(items([100] * 81), lambda n: 80) == [41, 40]
+
+
+def test_every_sub_batch_still_fits_its_plan_when_longer_rows_fit_fewer() -> None:
+    """Sorted by length, later rows are longer and their plan smaller: even sizes never exceed it."""
+    lengths = [50 + i for i in range(300)]
+    rows_for = lambda n: 120 if n < 200 else 70  # noqa: E731
+    parts = list(pack(items(lengths), scoring=False, on_loop=True, plan=plan_of(rows_for), choice_tokens=lambda j: 0))
+    assert sum(len(p) for p in parts) == 300
+    for part in parts:
+        assert len(part) <= rows_for(max(len(it.ids) for it in part))
