@@ -452,3 +452,15 @@ def test_grouped_prefill_same_cache_and_logits_as_chunk_major(
     assert_same_cache(kv_new, kv_old)
     assert torch.equal(new, old)
     assert decoder.own_prefill
+
+
+def test_chunks_of_consecutive_rows_scatter_their_cache_writes(decoder: StaticDecoder) -> None:
+    """A chunk of consecutive rows writes its K/V with one scatter along the columns (`slots`); its slots are the
+    same cache columns as the indexed writes', so `test_same_cache_and_logits_as_chunk_major` covers both."""
+    chunks = decoder.prefill.chunks(decode_rows(), 23, 0)
+    sliced = [c for c in chunks if isinstance(c.where, slice)]
+    assert sliced and all(c.slots is not None for c in sliced)
+    assert all(c.slots is None for c in chunks if not isinstance(c.where, slice))
+    for c in sliced:
+        assert c.slots is not None
+        assert torch.equal(c.slots[:, 0, :, 0], c.columns)
