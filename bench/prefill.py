@@ -24,8 +24,11 @@ sizes (the loop's default 32,768; 0: each chunk alone).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import itertools
 import os
+import pstats
 import sys
 import time
 from dataclasses import replace
@@ -61,7 +64,11 @@ def timed(engine: Engine, jobs: list[Job], device: str, repeats: int) -> dict[st
     """The median of `repeats` runs after a warm-up: wall seconds, prompt tokens, and the engine's phases of the
     median run (setup, prefill, score, outputs...) with the allocator's retries (a cudaMalloc that failed under
     the cap and freed the cache to retry: each a device synchronisation)."""
+    sync(device)
+    t0 = time.perf_counter()
     engine.run(jobs)
+    sync(device)
+    first = time.perf_counter() - t0  # the workload's first run: shapes, kernels and allocations new to it
     runs = []
     for _ in range(repeats):
         before, retries = engine.phase_seconds(), alloc_retries(device)
@@ -87,12 +94,27 @@ def timed(engine: Engine, jobs: list[Job], device: str, repeats: int) -> dict[st
     median = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
     median = {**median, **memory_figures(engine, jobs, max(r["peak_above_start_mib"] for r in runs))}
     return {
+        "first_wall_s": round(first, 4),
         "rows": len(jobs),
         "prompt_tokens": tokens,
         **median,
         "walls_s": [r["wall_s"] for r in runs],
         "tokens_per_s": round(tokens / median["wall_s"]),
     }
+
+
+def host_profile(engine: Engine, jobs: list[Job], out: Path, label: str) -> None:
+    """Where the host's time goes in one run (cProfile, by own time): the GPU runs behind it asynchronously, so
+    a prefill whose host work outlasts its kernels shows here what to cut."""
+    engine.run(jobs)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    engine.run(jobs)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(45)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"host-{label}.txt").write_text(text.getvalue())
 
 
 def alloc_retries(device: str) -> int:
@@ -165,6 +187,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--profile", action="store_true", help="CUDA: a kernel table per workload, first variant (kernels-prefill-*)"
     )
+    parser.add_argument(
+        "--host-profile", action="store_true", help="cProfile one run per workload, first variant (host-prefill-*)"
+    )
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     budget = parse_bytes(args.memory_budget) if args.device.startswith("cuda") else None
@@ -187,10 +212,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 r["kernels_ran"] = ran
                 report["runs"].append(r)
                 print("prefill", r, flush=True)
-    if args.profile and args.device.startswith("cuda"):
-        use_variant(engine, ops[0], ints(args.chunks)[0], ints(args.groups)[0])
-        for name, jobs in loads.items():
+    use_variant(engine, ops[0], ints(args.chunks)[0], ints(args.groups)[0])
+    for name, jobs in loads.items():
+        if args.profile and args.device.startswith("cuda"):
             kernel_profile(engine, jobs, Path(args.out), f"prefill-{name}")
+        if args.host_profile:
+            host_profile(engine, jobs, Path(args.out), f"prefill-{name}")
     save_json(Path(args.out), "prefill.json", report)
     cells = "; ".join(
         f"{r['workload']} {r['ops']}{'' if r['kernels_ran'] == (r['ops'] == 'kernels') else ' (FELL BACK)'} "
