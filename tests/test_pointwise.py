@@ -60,6 +60,32 @@ def test_rotary_is_bit_equal_and_silu_mul_matches_eager() -> None:
     assert out.strip() == "ok"
 
 
+def test_add_rms_gives_the_residual_sum_exactly_and_its_norm_as_eager_does() -> None:
+    """The residual sum is rounded as eager rounds it (bit-equal); the norm's sum of squares runs in another
+    order, so the normed output is eager's within float rounding (as the compiled function's is)."""
+    out = run_interpreted("""
+        import torch
+        from worker.fastpath import ops, pointwise
+        torch.manual_seed(0)
+        for dtype in (torch.float32, torch.float16):
+            for rows, features in ((3, 96), (2, 1536), (5, 100)):  # 100: a row shorter than its block
+                h = (torch.randn(rows, 4, features) * 3).to(dtype)
+                delta = torch.randn(rows, 4, features).to(dtype)
+                weight = (torch.rand(features) + 0.5).to(dtype)
+                assert pointwise.add_rms_fits(h, delta, weight)
+                total, normed = pointwise.add_rms(h, delta, weight, 1e-6)
+                want_total, want_normed = ops.add_rms(h, delta, weight, 1e-6)
+                assert total.shape == h.shape and normed.dtype == dtype
+                assert torch.equal(total, want_total), (dtype, rows, features)
+                tol = 1e-5 if dtype == torch.float32 else 1e-3
+                torch.testing.assert_close(normed, want_normed, rtol=tol, atol=tol)
+        h = torch.randn(2, 8)
+        assert not pointwise.add_rms_fits(h.half(), h.half(), h[0])  # a float32 weight would promote eager's product
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
 def test_prefill_runs_the_kernels_decode_steps_only_when_asked_and_tokens_stay_the_same(tiny_models: Path) -> None:
     """Prefill runs the kernels wherever they are available (a take of one new token calls them), decode steps
     only with `OpsOptions(pointwise_kernels=True)` (the worker's `--pointwise-kernels`); Kev, Laya and mixed rows in
@@ -78,7 +104,7 @@ def test_prefill_runs_the_kernels_decode_steps_only_when_asked_and_tokens_stay_t
         from worker.fastpath import DecodeRow, OpsOptions, pointwise
         from worker.loading import select_adapters
 
-        calls = {"rope": 0, "silu_mul": 0}
+        calls = {"rope": 0, "silu_mul": 0, "add_rms": 0}
         for name in calls:
             def counted(*args, _fn=getattr(pointwise, name), _name=name):
                 calls[_name] += 1
@@ -98,22 +124,24 @@ def test_prefill_runs_the_kernels_decode_steps_only_when_asked_and_tokens_stay_t
         ids = [base.tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(5)]
 
         def counted_decode(decoder, rows):
-            calls.update(rope=0, silu_mul=0)
+            calls.update(rope=0, silu_mul=0, add_rms=0)
             return decoder.decode(rows, **kw), dict(calls)
 
         _, prefill_only = counted_decode(plain, [DecodeRow(ids=r, max_new=1, adapter="kev") for r in ids])
         layers = len(plain.stack.layers)
         assert prefill_only["rope"] == prefill_only["silu_mul"] > 0 and prefill_only["rope"] % layers == 0
+        assert prefill_only["add_rms"] == 2 * prefill_only["rope"]  # after attention and after the MLP (prefill only)
         for adapters in (["kev"], ["laya"], ["kev", "laya"]):
             rows = [DecodeRow(ids=r, max_new=6, adapter=adapters[i % len(adapters)]) for i, r in enumerate(ids)]
             (a, in_ours), (b, in_plain), (c, in_none) = (counted_decode(d, rows) for d in (ours, plain, none))
             for x in (a, b):
                 assert torch.equal(x.tokens, c.tokens), adapters
                 torch.testing.assert_close(x.logprobs, c.logprobs, rtol=1e-6, atol=1e-6)
-            assert in_none == {"rope": 0, "silu_mul": 0}, in_none
+            assert in_none == {"rope": 0, "silu_mul": 0, "add_rms": 0}, in_none
             assert in_plain == prefill_only, (in_plain, prefill_only)  # its decode steps call none
             steps = {k: in_ours[k] - in_plain[k] for k in calls}
-            assert steps == {"rope": 5 * layers, "silu_mul": 5 * layers}, steps  # 5 steps after the first token
+            # 5 steps after the first token; the residual-add-and-norm kernel is prefill's only
+            assert steps == {"rope": 5 * layers, "silu_mul": 5 * layers, "add_rms": 0}, steps
         print("ok", prefill_only)
     """,
         str(config_path),

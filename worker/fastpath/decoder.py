@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -387,20 +388,19 @@ class StaticDecoder:
         for k, v in state.kv:
             k.zero_()
             v.zero_()
-        mask = torch.zeros(bucket, state.length, dtype=torch.bool)
-        pos = torch.zeros(bucket, 1, dtype=torch.long)
-        limits = torch.ones(bucket, dtype=torch.long)
-        finished = torch.ones(bucket, dtype=torch.bool)  # bucket padding rows are finished from the start
-        mask[n:, width - 1] = True
-        for i, row in enumerate(rows):
-            mask[i, width - len(row.ids) : width] = True
-            pos[i, 0] = len(row.ids) - 1  # choose_tokens advances it to the first generated token's position
-            limits[i] = row.max_new
-            finished[i] = False
-        state.mask.copy_(mask.view(bucket, 1, 1, -1))
-        state.pos.copy_(pos)
-        state.limits.copy_(limits)
-        state.finished.copy_(finished)
+        # Built in numpy, all rows at once: torch's CPU ops row by row were ~1,000 small operations a take.
+        lengths = np.ones(bucket, dtype=np.int64)  # bucket padding rows: one real slot, finished from the start
+        lengths[:n] = [len(row.ids) for row in rows]
+        limits = np.ones(bucket, dtype=np.int64)
+        limits[:n] = [row.max_new for row in rows]
+        columns = np.arange(state.length)
+        mask = (columns >= width - lengths[:, None]) & (columns < width)
+        finished = np.arange(bucket) >= n
+        state.mask.copy_(torch.from_numpy(mask).view(bucket, 1, 1, -1))
+        # choose_tokens advances each row's position to its first generated token's
+        state.pos.copy_(torch.from_numpy(lengths[:, None] - 1))
+        state.limits.copy_(torch.from_numpy(limits))
+        state.finished.copy_(torch.from_numpy(finished))
         state.bad.zero_()
         state.step.zero_()
         state.cache_pos.fill_(width - 1)

@@ -107,25 +107,54 @@ class Fused:
         return self.fn(*args)
 
 
+@dataclass
+class KernelSwitch:
+    """Whether our kernels run, shared by the sets that run them: off once one failed (logged), the compiled or
+    eager functions computing the same from then on."""
+
+    on: bool
+
+
 class Ops:
-    """The fused elementwise steps of a layer, compiled or eager (see `Fused`); with `kernels`, rotary and SiLU
-    x up by our own Triton kernels (`pointwise`) instead (bit-equal to eager on the H200, 1.7-14x faster on
-    GPU time). The stack hands a kernels copy (`with_kernels`) to prefill wherever they run: its layer-major
-    groups (dequantised once per group) are bound by GPU time, and there they took a nightly take's prefill
-    from 0.39 to 0.33 s (`bench prefill`). The decode step gets one only when asked (the worker's
-    `--pointwise-kernels`): in the end-to-end rows they have not shown a gain there yet (`bench/RESULTS.md`)."""
+    """The fused elementwise steps of a layer, compiled or eager (see `Fused`); with `kernels`, rotary, SiLU x up
+    and (prefill's, `norm_kernel`) the residual add with its RMSNorm by our own Triton kernels (`pointwise`)
+    instead (rotary and SiLU x up bit-equal to eager on the H200, 1.7-14x faster on GPU time; the norm's sum of
+    squares in another order, as the compiled one's), launched with a fraction of the compiled functions' host
+    time. The stack hands a
+    kernels copy (`with_kernels`) to prefill wherever they run: in its layer-major groups (dequantised once per
+    group) rotary and SiLU x up took a nightly take's prefill from 0.39 to 0.33 s (`bench prefill`), and a
+    prefill chunk's layer step is as much host work as GPU work on the H200 machines. The decode step gets one
+    only when asked (the worker's `--pointwise-kernels`): replayed from graphs, it has no host time to save,
+    and the end-to-end rows have not shown a gain there yet (`bench/RESULTS.md`)."""
 
     def __init__(self, compiled: bool, kernels: bool = False) -> None:
         self.add_rms = Fused(add_rms, compiled)
         self.rms = Fused(rms_scaled, compiled)
         self.rotary = Fused(rope, compiled)
         self.silu_mul = Fused(silu_mul, compiled)
-        self.kernels = kernels
+        self.switch = KernelSwitch(on=kernels)
+        # Our residual-add-and-norm kernel too: prefill's only. Its sum of squares runs in another order than
+        # eager's, and decode steps replay from graphs, with no host time to save.
+        self.norm_kernel = False
+
+    @property
+    def kernels(self) -> bool:
+        return self.switch.on
+
+    @kernels.setter
+    def kernels(self, on: bool) -> None:
+        self.switch.on = on
 
     def with_kernels(self) -> Ops:
         """This set with our rotary and SiLU x up kernels, sharing the compiled functions (compiled once)."""
         ops = copy.copy(self)
-        ops.kernels = True
+        ops.switch = KernelSwitch(on=True)
+        return ops
+
+    def with_norm_kernel(self) -> Ops:
+        """This kernels set with our residual-add-and-norm kernel too, switched off with it (one switch)."""
+        ops = copy.copy(self)
+        ops.norm_kernel = True
         return ops
 
     def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -138,7 +167,7 @@ class Ops:
                 return out.transpose(1, 2)
         return self.rotary(qk.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))
 
-    def _ours(self, kernel: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor | None:
+    def _ours(self, kernel: Callable[..., Any], *args: Any) -> Any:
         """`kernel(*args)`, or None once it failed (logged once; the compiled or eager functions compute the
         same from then on). The first call of each is in the engine's warm-up, outside any graph capture."""
         try:
@@ -159,6 +188,10 @@ class Ops:
         self, h: torch.Tensor, delta: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(norm, RMSNorm):
+            if self.norm_kernel and self.kernels and pointwise.add_rms_fits(h, delta, norm.weight):
+                out = self._ours(pointwise.add_rms, h, delta, norm.weight, norm.eps)
+                if out is not None:
+                    return out
             return self.add_rms(h, delta, norm.weight, norm.eps)
         h = h + delta
         return h, norm(h)

@@ -18,6 +18,7 @@ compiled or eager functions in `ops` run. Under `TRITON_INTERPRET=1` the kernels
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Any
 
@@ -29,6 +30,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+log = logging.getLogger("kevlaya.fastpath")
 
 if triton is not None:
     import triton.language as tl
@@ -73,6 +75,93 @@ if triton is not None:
             silu = (g / (1.0 + tl.exp(-g))).to(dtype)
         tl.store(out + row * F + cols, (silu.to(tl.float32) * u).to(dtype), mask=inside)
 
+    @triton.jit(do_not_specialize=["N", "s_h", "s_d"])
+    def _add_rms_kernel(h, delta, weight, h_out, x_out, N, s_h, s_d, eps, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < N
+        dtype = h_out.dtype.element_ty
+        a = tl.load(h + row * s_h + cols, mask=inside, other=0.0).to(tl.float32)
+        b = tl.load(delta + row * s_d + cols, mask=inside, other=0.0).to(tl.float32)
+        total = (a + b).to(dtype)  # the residual sum, rounded as eager's add rounds it
+        tl.store(h_out + row * N + cols, total, mask=inside)
+        x = total.to(tl.float32)
+        mean = tl.sum(x * x, axis=0) / N
+        if LIBDEVICE:  # noqa: SIM108 (a static branch on a constexpr)
+            scale = libdevice.rsqrt(mean + eps)  # CUDA's rsqrtf, as torch's rms_norm kernel computes it
+        else:
+            scale = 1.0 / tl.sqrt(mean + eps)
+        normed = (x * scale).to(dtype)
+        w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+        tl.store(x_out + row * N + cols, (w * normed.to(tl.float32)).to(dtype), mask=inside)
+
+
+class Launcher:
+    """Launches a kernel of ours, through Triton's compiled launcher once a specialisation has run. Triton's own
+    `kernel[grid](...)` binds and specialises every argument again on every call: ~40-90 us of host time a
+    launch in the H200 machine's profile, where a 256-row take's prefill launches ~1,700 of them while the GPU
+    waits on the host. A compiled kernel is kept per what Triton specialises ours on -- the tensors' dtypes and
+    16-byte alignment (their sizes and strides are `do_not_specialize`) -- and trusted only after one launch
+    through it gave the same outputs as Triton's own (its launcher's arguments are Triton's internals: on any
+    other version, a mismatch or an error keeps Triton's own launch for good)."""
+
+    def __init__(self, kernel: Any, outputs: tuple[int, ...], **options: Any) -> None:
+        self.kernel = kernel
+        self.outputs = outputs  # the positions of the arguments the kernel writes (wholly; it reads no output)
+        self.options = options  # compile options (Triton's own keywords), not kernel arguments
+        self.compiled: dict[tuple[Any, ...], Any] = {}
+        self.direct = not INTERPRETED and knobs is not None
+
+    def __call__(self, grid: tuple[int, int], *args: Any, **constexprs: Any) -> None:
+        key = (
+            tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else type(a) for a in args),
+            tuple(constexprs.items()),
+        )
+        compiled = self.compiled.get(key) if self.direct else None
+        if compiled is not None:
+            self._run(compiled, grid, args, constexprs)
+            return
+        compiled = self.kernel[grid](*args, **constexprs, **self.options)
+        if self.direct and not torch.cuda.is_current_stream_capturing():
+            self._trust(key, getattr(compiled, "result", lambda: compiled)(), grid, args, constexprs)
+
+    def _run(self, compiled: Any, grid: tuple[int, int], args: tuple[Any, ...], constexprs: dict[str, Any]) -> None:
+        """Every argument in the kernel's order, as Triton's `run` hands them to the compiled launcher."""
+        names = self.kernel.arg_names[len(args) :]
+        stream = torch.cuda.current_stream().cuda_stream
+        compiled.run(
+            grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None,
+            knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args, *(constexprs[n] for n in names),
+        )  # fmt: skip
+
+    def _trust(
+        self,
+        key: tuple[Any, ...],
+        compiled: Any,
+        grid: tuple[int, int],
+        args: tuple[Any, ...],
+        constexprs: dict[str, Any],
+    ) -> None:
+        """Launch again through the compiled launcher; keep it if the outputs come out the same."""
+        if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+            self.direct = False  # hooks want Triton's launch metadata: leave launching to Triton
+            return
+        want = [args[i].clone() for i in self.outputs]
+        try:
+            for i in self.outputs:
+                args[i].zero_()
+            self._run(compiled, grid, args, constexprs)
+            same = all(torch.equal(args[i], w) for i, w in zip(self.outputs, want, strict=True))
+        except Exception:
+            same = False
+        if same:
+            self.compiled[key] = compiled
+            return
+        for i, w in zip(self.outputs, want, strict=True):
+            args[i].copy_(w)
+        self.direct = False
+        log.warning("fast path: Triton's compiled launcher is not what we expect here; using Triton's own launch")
+
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether these kernels serve tensors on `device` in `dtype` (bf16/fp16 on CUDA; the CPU when interpreted)."""
@@ -94,9 +183,9 @@ def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     block_heads = min(16, triton.next_power_of_2(heads))
     grid = (rows * length, triton.cdiv(heads, block_heads))
     with on_device(qk.device):
-        _rope_kernel[grid](
-            qk, cos, sin, out, length, heads, qk.stride(0), qk.stride(1), qk.stride(2), cos.stride(0), cos.stride(1),
-            BH=block_heads, D=dim, enable_fp_fusion=False,
+        ROPE(
+            grid, qk, cos, sin, out, length, heads, qk.stride(0), qk.stride(1), qk.stride(2), cos.stride(0),
+            cos.stride(1), BH=block_heads, D=dim,
         )  # fmt: skip
     return out
 
@@ -117,11 +206,47 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = 1024
     grid = (g.shape[0], triton.cdiv(features, block))
     with on_device(gate.device):
-        _silu_mul_kernel[grid](g, u, out, features, g.stride(0), u.stride(0), BLOCK=block, LIBDEVICE=not INTERPRETED)
+        SILU_MUL(grid, g, u, out, features, g.stride(0), u.stride(0), BLOCK=block, LIBDEVICE=not INTERPRETED)
     return out.view(gate.shape)
+
+
+def add_rms(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum h + delta and its RMSNorm scaled by `weight` (`ops.add_rms`' arithmetic, the sum of
+    squares in another order), for same-shaped (..., N) tensors with contiguous features; both fresh tensors."""
+    features = h.shape[-1]
+    a, b = h.reshape(-1, features), delta.reshape(-1, features)
+    if a.stride(-1) != 1 or b.stride(-1) != 1:
+        a, b = a.contiguous(), b.contiguous()
+    total = torch.empty(a.shape, dtype=h.dtype, device=h.device)
+    normed = torch.empty_like(total)
+    with on_device(h.device):
+        ADD_RMS(
+            (a.shape[0], 1), a, b, weight, total, normed, features, a.stride(0), b.stride(0), eps,
+            BLOCK=triton.next_power_of_2(features), LIBDEVICE=not INTERPRETED,
+        )  # fmt: skip
+    return total.view(h.shape), normed.view(h.shape)
+
+
+def add_rms_fits(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `add_rms` takes these: one dtype throughout (a float32 weight promotes eager's product) and a
+    row that one program spans."""
+    return h.dtype == delta.dtype == weight.dtype and weight.dim() == 1 and h.shape[-1] <= 16384
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """Triton launches on the current CUDA device and its stream: the tensors' own device made current for the
     launch (an engine on `cuda:1` does not make it current), nothing on the CPU."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+if triton is not None:
+    try:
+        from triton import knobs  # Triton 3.4+: where its launcher's hooks live
+    except ImportError:
+        knobs = None
+
+    ROPE = Launcher(_rope_kernel, outputs=(3,), enable_fp_fusion=False)
+    SILU_MUL = Launcher(_silu_mul_kernel, outputs=(2,))
+    ADD_RMS = Launcher(_add_rms_kernel, outputs=(3, 4))

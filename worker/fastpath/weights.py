@@ -381,11 +381,14 @@ class Stack:
         on_gpu = self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
         compiled = options.compile_ops and on_gpu
         self.ops = Ops(compiled)
-        # Prefill's rotary and SiLU x up by our Triton kernels wherever they run (bf16/fp16 on a GPU), unless the
-        # fused steps are off (eager everywhere, for comparisons); with `pointwise_kernels` the decode step's too,
-        # and prefill's even then (see `Ops`). One copy serves both: a kernel's failure switches it off for both.
-        kernels = self.ops.with_kernels() if pointwise.available(self.device, self.dtype) else self.ops
-        self.prefill_ops = kernels if options.compile_ops or options.pointwise_kernels else self.ops
+        # Prefill's rotary, SiLU x up and residual-add-and-norm by our Triton kernels wherever they run (bf16/fp16
+        # on a GPU), unless the fused steps are off (eager everywhere, for comparisons); with `pointwise_kernels`
+        # the decode step's rotary and SiLU x up too, and prefill's even then (see `Ops`). The two sets share one
+        # switch: a kernel's failure switches ours off for both.
+        available = pointwise.available(self.device, self.dtype)
+        kernels = self.ops.with_kernels() if available else self.ops
+        prefill = kernels.with_norm_kernel() if available else self.ops
+        self.prefill_ops = prefill if options.compile_ops or options.pointwise_kernels else self.ops
         self.step_ops = kernels if options.pointwise_kernels else self.ops
         # fuse_lora=False keeps PEFT's float32 LoRA arithmetic in bf16/fp16 models too (slower; for comparisons).
         # join_projections=False runs q/k/v and gate/up as separate matmuls (for comparisons).
