@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -147,3 +148,68 @@ def test_prefill_runs_the_kernels_decode_steps_only_when_asked_and_tokens_stay_t
         str(config_path),
     )
     assert out.startswith("ok")
+
+
+class FakeCompiled:
+    """What Triton's launch hands back: `run` launches it again (here: `kernel`, or a wrong result)."""
+
+    def __init__(self, kernel: Any, wrong: bool) -> None:
+        self.kernel, self.wrong = kernel, wrong
+        self.function, self.packed_metadata = "function", "metadata"
+        self.runs = 0
+
+    def launch_metadata(self, grid: Any, stream: Any, *values: Any) -> None:
+        return None
+
+    def run(self, g0: int, g1: int, g2: int, stream: Any, function: Any, meta: Any, launch: Any, *rest: Any) -> None:
+        _hooks, values = rest[:2], rest[2:]
+        self.runs += 1
+        self.kernel.write(*values, offset=1.0 if self.wrong else 0.0)
+
+
+class FakeKernel:
+    """A Triton kernel's stand-in: out = x * SCALE (its arguments x, out, SCALE: constexpr)."""
+
+    def __init__(self, wrong: bool = False) -> None:
+        self.arg_names = ["x", "out", "SCALE"]
+        self.wrong = wrong
+        self.launches = 0
+        self.compiled = FakeCompiled(self, wrong)
+
+    def write(self, x: Any, out: Any, scale: float, offset: float = 0.0) -> None:
+        out.copy_(x * scale + offset)
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(x: Any, out: Any, SCALE: float, **options: Any) -> FakeCompiled:
+            self.launches += 1
+            self.write(x, out, SCALE)
+            return self.compiled
+
+        return launch
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_the_launcher_goes_direct_only_after_a_launch_through_it_gave_the_same_outputs(
+    monkeypatch: pytest.MonkeyPatch, wrong: bool
+) -> None:
+    """Launcher: the first launch of a specialisation is Triton's own, then one through the compiled launcher
+    whose outputs must equal it; trusted, later launches go direct. A launcher that gives other outputs is never
+    used again, and the outputs are Triton's own."""
+    import torch
+
+    from worker.fastpath import pointwise
+
+    monkeypatch.setattr(pointwise, "INTERPRETED", False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 0})())
+    kernel = FakeKernel(wrong=wrong)
+    launcher = pointwise.Launcher(kernel, outputs=(1,), enable_fp_fusion=False)
+    assert launcher.direct
+    x = torch.arange(4.0)
+    for _ in range(3):
+        out = torch.empty(4)
+        launcher((1, 1), x, out, SCALE=2.0)
+        assert torch.equal(out, x * 2)
+    assert kernel.launches == (3 if wrong else 1)
+    assert kernel.compiled.runs == (1 if wrong else 3)  # the trial launch, then (trusted) every later one
+    assert launcher.direct is not wrong

@@ -126,12 +126,14 @@ class Launcher:
             self._trust(key, getattr(compiled, "result", lambda: compiled)(), grid, args, constexprs)
 
     def _run(self, compiled: Any, grid: tuple[int, int], args: tuple[Any, ...], constexprs: dict[str, Any]) -> None:
-        """Every argument in the kernel's order, as Triton's `run` hands them to the compiled launcher."""
-        names = self.kernel.arg_names[len(args) :]
+        """Every argument in the kernel's order, as Triton's `run` hands them to the compiled launcher (with the
+        launch hooks and their metadata, as it does)."""
+        values = (*args, *(constexprs[n] for n in self.kernel.arg_names[len(args) :]))
         stream = torch.cuda.current_stream().cuda_stream
+        hooks = knobs.runtime
         compiled.run(
-            grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None,
-            knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args, *(constexprs[n] for n in names),
+            grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata,
+            compiled.launch_metadata(grid, stream, *values), hooks.launch_enter_hook, hooks.launch_exit_hook, *values,
         )  # fmt: skip
 
     def _trust(
@@ -143,9 +145,6 @@ class Launcher:
         constexprs: dict[str, Any],
     ) -> None:
         """Launch again through the compiled launcher; keep it if the outputs come out the same."""
-        if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
-            self.direct = False  # hooks want Triton's launch metadata: leave launching to Triton
-            return
         want = [args[i].clone() for i in self.outputs]
         try:
             for i in self.outputs:
