@@ -78,8 +78,8 @@ def setup_logging(level: str) -> None:
     "--no-compile",
     is_flag=True,
     help="Run the decode loop's fused elementwise steps eagerly instead of as torch.compile'd kernels "
-    "(bf16/fp16 on a GPU; compiling adds seconds to the start-up warm-up), and prefill's rotary and SiLU x up "
-    "eagerly instead of by kevlaya's own Triton kernels.",
+    "(bf16/fp16 on a GPU; compiling adds seconds to the start-up warm-up), and prefill's rotary, SiLU x up and "
+    "residual add with its RMSNorm eagerly instead of by kevlaya's own Triton kernels.",
 )
 @click.option(
     "--pointwise-kernels",
