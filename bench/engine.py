@@ -99,12 +99,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         jobs = [
             Job(custom_id=str(i), model="kev", prompt=prompt(i), max_new_tokens=args.new_tokens) for i in range(size)
         ]
-        if args.device.startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats()
+        engine.memory.mark()  # each take resets torch's peak: the engine keeps the most since this mark
         elapsed, outs = timed(engine, jobs, args.device)
         tokens = sum(o.completion_tokens for o in outs)
         errors = sum(o.error is not None for o in outs)
-        peak = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else engine.peak_memory_bytes()
+        peak = engine.memory.peak_since_mark() if args.device.startswith("cuda") else engine.peak_memory_bytes()
         row = {"batch": size, "seconds": elapsed, "tokens": tokens, "tok_s": tokens / elapsed, "errors": errors}
         row["ms_per_step"] = elapsed / max(1, args.new_tokens) * 1000
         row["peak_bytes"] = peak

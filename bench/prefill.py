@@ -73,7 +73,7 @@ def timed(engine: Engine, jobs: list[Job], device: str, repeats: int) -> dict[st
     for _ in range(repeats):
         before, retries = engine.phase_seconds(), alloc_retries(device)
         sync(device)
-        start_bytes = reset_peak(device)
+        start_bytes = reset_peak(engine, device)
         t0 = time.perf_counter()
         outs = engine.run(jobs)
         sync(device)
@@ -85,7 +85,7 @@ def timed(engine: Engine, jobs: list[Job], device: str, repeats: int) -> dict[st
                 "wall_s": round(wall, 4),
                 "phases_s": phases,
                 "alloc_retries": alloc_retries(device) - retries,
-                "peak_above_start_mib": round((peak_allocated(device) - start_bytes) / MIB),
+                "peak_above_start_mib": round((engine.memory.peak_since_mark() - start_bytes) / MIB),
             }
         )
         if errors := [o.error for o in outs if o.error is not None]:
@@ -125,22 +125,15 @@ def alloc_retries(device: str) -> int:
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
 
-def reset_peak(device: str) -> int:
-    """CUDA: starts the allocator's peak afresh; returns what is allocated now (0 elsewhere)."""
+def reset_peak(engine: Engine, device: str) -> int:
+    """CUDA: starts the engine's peak window afresh (its takes each reset torch's); returns what is allocated
+    now (0 elsewhere)."""
     if not device.startswith("cuda"):
         return 0
     import torch
 
-    torch.cuda.reset_peak_memory_stats()
+    engine.memory.mark()
     return int(torch.cuda.memory_allocated())
-
-
-def peak_allocated(device: str) -> int:
-    if not device.startswith("cuda"):
-        return 0
-    import torch
-
-    return int(torch.cuda.max_memory_allocated())
 
 
 def memory_figures(engine: Engine, jobs: list[Job], peak_above_mib: int) -> dict[str, int]:

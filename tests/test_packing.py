@@ -58,3 +58,25 @@ def test_every_sub_batch_still_fits_its_plan_when_longer_rows_fit_fewer() -> Non
     assert sum(len(p) for p in parts) == 300
     for part in parts:
         assert len(part) <= rows_for(max(len(it.ids) for it in part))
+
+
+def test_no_even_cut_where_the_longest_rows_to_come_fit_fewer_than_an_even_share() -> None:
+    """100 short rows under a plan of 100 and one long row under a plan of 49: greedy packing needs 2 sub-batches
+    ([100, 1]); cutting the short rows evenly (51 + 50) would leave the long row needing a third."""
+    lengths = [100] * 100 + [900]
+    rows_for = lambda n: 100 if n < 500 else 49  # noqa: E731
+    assert sizes(items(lengths), rows_for) == [100, 1]
+
+
+def test_the_probe_for_the_rows_to_come_releases_nothing() -> None:
+    """Sizing the even cut asks the plan about the longest rows still to come without releasing the KV pool."""
+    calls: list[dict[str, Any]] = []
+
+    def plan(model: str, *, input_tokens: int, **kw: Any) -> BatchPlan:
+        calls.append(kw)
+        return BatchPlan(max_rows=80, kv_bytes_per_token=1, bytes_per_row=1, free_bytes=1)
+
+    parts = list(pack(items([100] * 200), scoring=False, on_loop=True, plan=plan, choice_tokens=lambda j: 0))
+    assert [len(p) for p in parts] == [67, 67, 66]
+    probes = [kw for kw in calls if "rows_wanted" not in kw]
+    assert probes and all(kw.get("may_release") is False for kw in probes)

@@ -217,3 +217,43 @@ def test_a_pool_that_leaves_few_rows_room_is_released_before_the_take(
         memory.total_bytes = None
         memory.held_bytes = None
         engine.loops.release()
+
+
+class FakeAllocatorPeak:
+    """torch.cuda's peak statistic: the most allocated since its last reset."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    def allocate(self, nbytes: int) -> None:
+        self.peak = max(self.peak, nbytes)
+
+    def max_memory_allocated(self, device: object = None) -> int:
+        return self.peak
+
+    def reset_peak_memory_stats(self, device: object = None) -> None:
+        self.peak = 0
+
+
+def test_each_take_has_its_own_peak_and_the_engine_and_a_marked_window_keep_the_most(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every take resets torch's peak to log its own (`take_peak`), yet the engine's peak stays the process's
+    most and a benchmark's `mark` window (several takes) gets the most of its takes."""
+    from worker.planner import MemoryBudget
+
+    stat = FakeAllocatorPeak()
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", stat.max_memory_allocated)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", stat.reset_peak_memory_stats)
+    budget = MemoryBudget(torch.device("cuda"), 6 * 1024 * MIB)
+    budget.outside_allocator_bytes = 512 * MIB
+    stat.allocate(900 * MIB)  # before the benchmark's window: the warm-up, say
+    budget.mark()
+    for peak_mib in (300, 700, 200):
+        budget.take_started()
+        stat.allocate(peak_mib * MIB)
+        take = budget.take_peak()
+        assert take is not None and take.peak_bytes == peak_mib * MIB
+        assert take.headroom_bytes == (6 * 1024 - 512 - peak_mib) * MIB
+    assert budget.peak_since_mark() == 700 * MIB
+    assert budget.peak_bytes() == 900 * MIB

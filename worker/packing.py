@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -42,31 +43,49 @@ def pack(
     model = items[0].job.model
     on_loop = scoring and on_loop
     ordered = sorted(items, key=lambda it: len(it.ids))
+
+    def fitting(longest: int, span: int, new: int, draws: int, reporting: int, per_item: int, **kw: Any) -> int:
+        """The rows the plan lets a sub-batch of these figures hold."""
+        if on_loop:
+            # The loop scores a row's choices after its prompt, in the KV pool: planned as a row of the
+            # prompt plus all its choices' tokens (the prompt once, not once per choice).
+            return plan(model, input_tokens=longest, new_tokens=span, **kw).max_rows
+        if scoring:
+            return plan(model, input_tokens=longest + 8, new_tokens=0).max_rows // per_item
+        return plan(
+            model, input_tokens=longest, new_tokens=new, sampled_rows=draws, logprob_rows=reporting, **kw
+        ).max_rows
+
     current: list[Item] = []
     span = new = sampled = asking = 0  # the chunk's most choice tokens, most new tokens, sampled and logprob rows
     for index, item in enumerate(ordered):
         longest = len(item.ids)  # ascending order: the newcomer is the longest in the chunk
         wanted = len(current) + len(ordered) - index  # the rows this sub-batch could still take
         item_span = choice_tokens(item.job) if on_loop else 0
-        if on_loop:
-            # The loop scores a row's choices after its prompt, in the KV pool: planned as a row of the
-            # prompt plus all its choices' tokens (the prompt once, not once per choice).
-            rows = plan(model, input_tokens=longest, new_tokens=max(span, item_span), rows_wanted=wanted).max_rows
-        elif scoring:
-            per_item = max(1, len(item.job.choices or ()))
-            rows = plan(model, input_tokens=longest + 8, new_tokens=0).max_rows // per_item
-        else:
-            reporting = asking + item.job.logprobs
-            draws = sampled + (item.job.temperature > 0) + logprob_draws(reporting)
-            rows = plan(
-                model,
-                input_tokens=longest,
-                new_tokens=max(new, item.max_new),
-                sampled_rows=draws,
-                logprob_rows=reporting,
-                rows_wanted=wanted,
-            ).max_rows
-        if current and len(current) + 1 > even_share(max(1, rows), wanted):
+        reporting = asking + (not scoring and item.job.logprobs)
+        draws = sampled + (not scoring and item.job.temperature > 0) + logprob_draws(reporting)
+        per_item = max(1, len(item.job.choices or ()))
+        figures = (max(span, item_span), max(new, item.max_new), draws, reporting, per_item)
+        rows = max(1, fitting(longest, *figures, rows_wanted=wanted))
+        share = even_share(rows, wanted)
+        if current and share < len(current) + 1 <= rows:
+            # An even cut before the plan's own: only where the longest rows still to come fit an even share
+            # too (the plan shrinks as prompts grow; cut early for a share they cannot take, the rows would
+            # need more sub-batches than greedy packing). Probed without releasing anything.
+            rest = ordered[index:]
+            tail = fitting(
+                len(rest[-1].ids),
+                max([span, *(choice_tokens(it.job) for it in rest)]) if on_loop else 0,
+                max(new, *(it.max_new for it in rest)),
+                sampled + sum(not scoring and it.job.temperature > 0 for it in rest)
+                + logprob_draws(asking + sum(not scoring and it.job.logprobs for it in rest)),
+                asking + sum(not scoring and it.job.logprobs for it in rest),
+                max(per_item, *(len(it.job.choices or ()) for it in rest)),
+                may_release=False,
+            )  # fmt: skip
+            if tail < share:
+                share = rows
+        if current and len(current) + 1 > share:
             yield current
             current, span, new, sampled, asking = [], 0, 0, 0, 0
         current.append(item)

@@ -112,6 +112,7 @@ class MemoryBudget:
         self.held_bytes: int | None = None  # CUDA: what the allocator holds (KV pools included), at the last look
         self.resident_bytes = 0  # the loaded models (see `count_resident`)
         self._earlier_peak_bytes = 0  # CUDA: the allocator's peak before the current take's (`take_started`)
+        self._marked_peak_bytes = 0  # CUDA: the same since the last `mark`
 
     def start(self) -> None:
         """CUDA: the context exists before the memory outside torch is measured; the allocator capped; the peak
@@ -232,10 +233,25 @@ class MemoryBudget:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def take_started(self) -> None:
-        """CUDA: the allocator's peak starts afresh for a take (`take_peak`), the engine's peak kept."""
+        """CUDA: the allocator's peak starts afresh for a take (`take_peak`); the engine's peak and the peak
+        since the last `mark` are kept."""
         if self.device.type == "cuda":
             self._earlier_peak_bytes = self.peak_bytes()
+            self._marked_peak_bytes = self.peak_since_mark()
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def mark(self) -> None:
+        """CUDA: start a window for `peak_since_mark` (a benchmark's run of several takes)."""
+        if self.device.type == "cuda":
+            self._earlier_peak_bytes = self.peak_bytes()
+            self._marked_peak_bytes = 0
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_since_mark(self) -> int:
+        """CUDA: the most allocated since `mark`, across the takes in between (0 elsewhere)."""
+        if self.device.type != "cuda":
+            return 0
+        return max(self._marked_peak_bytes, int(torch.cuda.max_memory_allocated(self.device)))
 
     def take_peak(self) -> TakePeak | None:
         """CUDA: what the take since `take_started` allocated at its peak, beside the most the allocator may hold:

@@ -100,10 +100,11 @@ class Launcher:
     """Launches a kernel of ours, through Triton's compiled launcher once a specialisation has run. Triton's own
     `kernel[grid](...)` binds and specialises every argument again on every call: ~40-90 us of host time a
     launch in the H200 machine's profile, where a 256-row take's prefill launches ~1,700 of them while the GPU
-    waits on the host. A compiled kernel is kept per what Triton specialises ours on -- the tensors' dtypes and
-    16-byte alignment (their sizes and strides are `do_not_specialize`) -- and trusted only after one launch
-    through it gave the same outputs as Triton's own (its launcher's arguments are Triton's internals: on any
-    other version, a mismatch or an error keeps Triton's own launch for good)."""
+    waits on the host. A compiled kernel is kept per what Triton specialises ours on (`specialisation`) and
+    trusted only after one launch through it gave the same outputs as Triton's own, bit for bit (its launcher's
+    arguments are Triton's internals: on any other version, a mismatch or an error keeps Triton's own launch
+    for good). The trial holds a copy of the outputs: once per specialisation, in the engine's warm-up for the
+    shapes it runs."""
 
     def __init__(self, kernel: Any, outputs: tuple[int, ...], **options: Any) -> None:
         self.kernel = kernel
@@ -113,10 +114,7 @@ class Launcher:
         self.direct = not INTERPRETED and knobs is not None
 
     def __call__(self, grid: tuple[int, int], *args: Any, **constexprs: Any) -> None:
-        key = (
-            tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else type(a) for a in args),
-            tuple(constexprs.items()),
-        )
+        key = (tuple(map(specialisation, args)), tuple(constexprs.items()))
         compiled = self.compiled.get(key) if self.direct else None
         if compiled is not None:
             self._run(compiled, grid, args, constexprs)
@@ -150,7 +148,9 @@ class Launcher:
             for i in self.outputs:
                 args[i].zero_()
             self._run(compiled, grid, args, constexprs)
-            same = all(torch.equal(args[i], w) for i, w in zip(self.outputs, want, strict=True))
+            # Bit for bit (a NaN equals itself here); the outputs are fresh contiguous tensors.
+            bits = lambda t: t.view(torch.uint8)  # noqa: E731
+            same = all(torch.equal(bits(args[i]), bits(w)) for i, w in zip(self.outputs, want, strict=True))
         except Exception:
             same = False
         if same:
@@ -160,6 +160,17 @@ class Launcher:
             args[i].copy_(w)
         self.direct = False
         log.warning("fast path: Triton's compiled launcher is not what we expect here; using Triton's own launch")
+
+
+def specialisation(arg: Any) -> Any:
+    """What Triton compiles a variant of our kernels per, for one argument: a tensor's dtype, device and 16-byte
+    alignment (its sizes and strides are `do_not_specialize`); an integer's width (i32 or i64, by its value);
+    other values' type."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.device.index, arg.data_ptr() % 16 == 0
+    if isinstance(arg, int) and not isinstance(arg, bool):
+        return int, -(2**31) <= arg < 2**31
+    return type(arg)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -231,7 +242,9 @@ def add_rms(
 def add_rms_fits(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `add_rms` takes these: one dtype throughout (a float32 weight promotes eager's product) and a
     row that one program spans."""
-    return h.dtype == delta.dtype == weight.dtype and weight.dim() == 1 and h.shape[-1] <= 16384
+    return (
+        h.dtype == delta.dtype == weight.dtype and weight.dim() == 1 and weight.is_contiguous() and h.shape[-1] <= 16384
+    )
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:

@@ -64,9 +64,36 @@ class _Layout:
     masks: Masks  # the rows' LoRA selection (`row_masks`)
 
 
-def layout(rows: Sequence[ScoreRow], width: int, span: int, dtype: torch.dtype, device: torch.device) -> _Layout:
-    """Built with numpy, a take at a time (not element by element: 256 rows of 3 choices were ~5,000 small
-    tensor operations on the host, ~40 ms while the GPU waited)."""
+@dataclass(frozen=True)
+class HostLayout:
+    """`_Layout` on the host, built with numpy a part at a time (not element by element: 256 rows of 3 choices
+    were ~5,000 small tensor operations on the host, ~40 ms while the GPU waited)."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    mask: np.ndarray  # (rows, T, width + T)
+    rows: list[int]
+    columns: list[int]
+    targets: list[int]
+    owners: list[tuple[int, int]]
+
+    def on(self, part: Sequence[ScoreRow], dtype: torch.dtype, device: torch.device) -> _Layout:
+        """On the device, with the rows' LoRA selection: only for the part about to run (every part's mask at
+        once would be rows x T x (width + T) more than the plan counts)."""
+        long = lambda values: to_device(torch.tensor(values, dtype=torch.long), device)  # noqa: E731
+        return _Layout(
+            tokens=to_device(torch.from_numpy(self.tokens), device),
+            positions=to_device(torch.from_numpy(self.positions), device),
+            mask=to_device(torch.from_numpy(self.mask)[:, None], device),
+            rows=long(self.rows),
+            columns=long(self.columns),
+            targets=long(self.targets),
+            owners=self.owners,
+            masks=row_masks(part, dtype, device),
+        )
+
+
+def layout(rows: Sequence[ScoreRow], width: int, span: int) -> HostLayout:
     n = len(rows)
     tokens = np.zeros((n, span), dtype=np.int64)
     positions = np.zeros((n, span), dtype=np.int64)
@@ -96,16 +123,14 @@ def layout(rows: Sequence[ScoreRow], width: int, span: int, dtype: torch.dtype, 
     own = (choice_of[:, :, None] == choice_of[:, None, :]) & (choice_of[:, :, None] >= 0)
     causal = np.tri(span, dtype=bool)[None]
     mask = np.concatenate((np.broadcast_to(sees_prompt[:, None, :], (n, span, width)), own & causal), axis=-1)
-    long = lambda values: to_device(torch.tensor(values, dtype=torch.long), device)  # noqa: E731
-    return _Layout(
-        tokens=to_device(torch.from_numpy(tokens), device),
-        positions=to_device(torch.from_numpy(positions), device),
-        mask=to_device(torch.from_numpy(np.ascontiguousarray(mask))[:, None], device),
-        rows=long(scored_rows),
-        columns=long(scored_columns),
-        targets=long(targets),
+    return HostLayout(
+        tokens=tokens,
+        positions=positions,
+        mask=np.ascontiguousarray(mask),
+        rows=scored_rows,
+        columns=scored_columns,
+        targets=targets,
         owners=owners,
-        masks=row_masks(rows, dtype, device),
     )
 
 
@@ -137,16 +162,19 @@ def score_choices(
 ) -> Scored:
     """Each row's choices scored after its prompt, whose K/V `kv` already holds (prefilled, ending in column
     `width - 1`); `first_logits` (rows, vocab) are the prefill's logits after each prompt (the LM head's dtype).
-    The host builds every part's layout first, while the GPU still runs the prefill, and reads the
-    log-probabilities back once, at the end."""
+    The host builds every part's layout first, while the GPU still runs the prefill (each goes to the device
+    just before its part runs), and reads the log-probabilities back once, at the end."""
     span = max(row.choice_tokens for row in rows)
     step = max(1, chunk_tokens // span)
     parts = [
-        (start, layout(rows[start : start + step], width, span, stack.dtype, stack.device))
+        (start, layout(rows[start : start + step], width, span))
         for start in (range(0, len(rows), step) if span > 1 else ())
     ]
     first = first_token_logprobs(first_logits, rows)
-    picked = [_continuation(stack, kv, lay, start, width, span, merge_lora) for start, lay in parts]
+    picked: list[torch.Tensor] = []
+    for start, host in parts:
+        lay = host.on(rows[start : start + step], stack.dtype, stack.device)
+        picked.append(_continuation(stack, kv, lay, start, width, span, merge_lora))
     values = torch.cat([first, *picked]).double().cpu().tolist()
     sums = [[0.0] * len(row.choices) for row in rows]
     k = 0
@@ -154,8 +182,8 @@ def score_choices(
         for c in range(len(row.choices)):
             sums[r][c] += values[k]
             k += 1
-    for start, lay in parts:
-        for r, c in lay.owners:
+    for start, host in parts:
+        for r, c in host.owners:
             sums[start + r][c] += values[k]
             k += 1
     bad = [not all(math.isfinite(v) for v in row_sums) for row_sums in sums]
