@@ -6,7 +6,9 @@ the call that captured it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -140,17 +142,34 @@ def test_captures_do_not_leave_memory_behind_once_their_graphs_are_gone(tiny_mod
     assert last <= first + 2 * 1024**2, (first, last)
 
 
+BF16_PROMPTS = ["Approve a loan of 12000?", "Income 52000, debt low.", "x", "Step 1: check income " * 5]
+
+
+def bf16_engine(tiny_models: Path, name: str, **kw: Any) -> Engine:
+    """The tiny models in bfloat16 on the GPU (the dtype our kernels run in), under a config file `name`."""
+    from worker.config import load_config
+
+    path = tiny_models / name
+    path.write_text(tiny_config(tiny_models, "none").path.read_text().replace('"float32"', '"bfloat16"'))
+    return Engine(load_config(path), device="cuda", decode="auto", **kw)
+
+
+def bf16_batches(base: Any) -> Iterator[tuple[list[str], list[DecodeRow], dict[str, Any]]]:
+    """(adapters, rows, decode keywords): the prompts once with Kev alone, once with Kev and Laya mixed."""
+    ids = [base.tokenizer(p).input_ids for p in BF16_PROMPTS]
+    kw = {"stop_ids": [-1], "pad_id": base.tokenizer.pad_token_id, "select": lambda n: select_adapters(base, n)}
+    for adapters in (["kev"], ["kev", "laya"]):
+        rows = [DecodeRow(ids=r, max_new=12, adapter=adapters[i % len(adapters)]) for i, r in enumerate(ids)]
+        yield adapters, rows, kw
+
+
 def test_our_pointwise_kernels_decode_on_replayed_graphs_as_the_compiled_functions(tiny_models: Path) -> None:
     """In bfloat16 on replayed graphs, a decoder with our rotary and SiLU x up kernels (in its prefill and its
     decode steps) emits the tokens of one with the eager functions (both without torch.compile, whose kernels
     are not bit-equal to eager; ours are, as `bench kernels` measured on the H200)."""
     from worker.fastpath import OpsOptions, StaticDecoder
 
-    path = tiny_models / "models-bf16-gpu.toml"
-    path.write_text(tiny_config(tiny_models, "none").path.read_text().replace('"float32"', '"bfloat16"'))
-    from worker.config import load_config
-
-    engine = Engine(load_config(path), device="cuda", decode="auto", ops=OpsOptions(compile_ops=False))
+    engine = bf16_engine(tiny_models, "models-bf16-gpu.toml", ops=OpsOptions(compile_ops=False))
     (base,), (plain,) = engine.bases.values(), engine.decoders.values()
     eager_ours = OpsOptions(compile_ops=False, pointwise_kernels=True)
     ours = StaticDecoder(base.model, torch.device("cuda"), use_graphs=True, ops=eager_ours)
@@ -158,11 +177,7 @@ def test_our_pointwise_kernels_decode_on_replayed_graphs_as_the_compiled_functio
     assert not plain.stack.step_ops.kernels and not plain.stack.prefill_ops.kernels
     # Prefill's residual-add-and-norm kernel sums its squares in another order than eager: its own test below.
     ours.prefill.ops = ours.stack.step_ops
-    prompts = ["Approve a loan of 12000?", "Income 52000, debt low.", "x", "Step 1: check income " * 5]
-    ids = [base.tokenizer(p).input_ids for p in prompts]
-    kw = {"stop_ids": [-1], "pad_id": base.tokenizer.pad_token_id, "select": lambda n: select_adapters(base, n)}
-    for adapters in (["kev"], ["kev", "laya"]):
-        rows = [DecodeRow(ids=r, max_new=12, adapter=adapters[i % len(adapters)]) for i, r in enumerate(ids)]
+    for adapters, rows, kw in bf16_batches(base):
         want = plain.decode(rows, **kw)
         for _ in range(2):  # captured, then replayed
             got = ours.decode(rows, **kw)
@@ -174,21 +189,14 @@ def test_prefill_with_our_norm_kernel_decodes_as_without_it(tiny_models: Path) -
     """Prefill's residual-add-and-norm kernel (the default wherever our kernels run) against the compiled
     function, both in bfloat16 with graphs replayed: the same tokens, log-probabilities within bfloat16 rounding
     (its sum of squares runs in another order, as the compiled function's does against eager's)."""
-    from worker.config import load_config
     from worker.fastpath import StaticDecoder
 
-    path = tiny_models / "models-bf16-norm.toml"
-    path.write_text(tiny_config(tiny_models, "none").path.read_text().replace('"float32"', '"bfloat16"'))
-    engine = Engine(load_config(path), device="cuda", decode="auto")
+    engine = bf16_engine(tiny_models, "models-bf16-norm.toml")
     (base,), (ours,) = engine.bases.values(), engine.decoders.values()
     assert ours.prefill.ops.norm_kernel and ours.prefill.ops.kernels and not ours.stack.step_ops.norm_kernel
     compiled = StaticDecoder(base.model, torch.device("cuda"), use_graphs=True)
     compiled.prefill.ops = compiled.stack.step_ops  # the compiled residual-add-and-norm, ours otherwise
-    prompts = ["Approve a loan of 12000?", "Income 52000, debt low.", "x", "Step 1: check income " * 5]
-    ids = [base.tokenizer(p).input_ids for p in prompts]
-    kw = {"stop_ids": [-1], "pad_id": base.tokenizer.pad_token_id, "select": lambda n: select_adapters(base, n)}
-    for adapters in (["kev"], ["kev", "laya"]):
-        rows = [DecodeRow(ids=r, max_new=12, adapter=adapters[i % len(adapters)]) for i, r in enumerate(ids)]
+    for adapters, rows, kw in bf16_batches(base):
         want = compiled.decode(rows, **kw)
         got = ours.decode(rows, **kw)
         assert torch.equal(got.tokens, want.tokens), adapters
