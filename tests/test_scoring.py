@@ -123,3 +123,53 @@ def test_first_token_logprobs_are_the_same_in_chunks_of_any_size(
     for chunk in (1, 2, 3, 32):
         monkeypatch.setattr(scoring, "CHOICE_CHUNK_ROWS", chunk)
         assert scoring.first_token_logprobs(logits, rows).tolist() == want
+
+
+def reference_layout(rows: list[ScoreRow], width: int, span: int) -> tuple[torch.Tensor, ...]:
+    """The layout token by token, as the loop first built it: tokens, positions, mask, and the scored
+    (row, column, target, owner) of each position."""
+    n = len(rows)
+    tokens = torch.zeros((n, span), dtype=torch.long)
+    positions = torch.zeros((n, span), dtype=torch.long)
+    mask = torch.zeros((n, span, width + span), dtype=torch.bool)
+    scored: list[tuple[int, int, int, int, int]] = []
+    for r, row in enumerate(rows):
+        prompt = len(row.ids)
+        mask[r, :, width - prompt : width] = True
+        start = 0
+        for c, choice in enumerate(row.choices):
+            m = len(choice)
+            tokens[r, start : start + m] = torch.tensor(choice)
+            positions[r, start : start + m] = torch.arange(prompt, prompt + m)
+            mask[r, start : start + m, width + start : width + start + m] = torch.ones(m, m, dtype=torch.bool).tril()
+            scored += [(r, start + o, choice[o + 1], r, c) for o in range(m - 1)]
+            start += m
+        mask[r, start:, width - 1] = True
+    return tokens, positions, mask, torch.tensor(scored, dtype=torch.long).reshape(-1, 5)
+
+
+def test_the_choice_layout_built_at_once_is_the_token_by_token_one() -> None:
+    """`layout` (numpy, a part at a time) against the loop it replaced, on rows of different prompt lengths,
+    choice counts and choice lengths (single-token choices score nothing past their first token)."""
+    from worker.fastpath.scoring import layout
+
+    generator = torch.Generator().manual_seed(11)
+    for trial in range(20):
+        rows = []
+        for _ in range(1 + trial % 7):
+            prompt = int(torch.randint(1, 12, (1,), generator=generator))
+            choices = tuple(
+                tuple(int(t) for t in torch.randint(3, 90, (int(torch.randint(1, 5, (1,), generator=generator)),)))
+                for _ in range(int(torch.randint(1, 4, (1,), generator=generator)))
+            )
+            rows.append(ScoreRow(ids=[7] * prompt, choices=choices, adapter=None))
+        width = max(len(r.ids) for r in rows) + trial % 3
+        span = max(r.choice_tokens for r in rows) + trial % 2
+        host = layout(rows, width, span)
+        tokens, positions, mask, scored = reference_layout(rows, width, span)
+        assert torch.equal(torch.from_numpy(host.tokens), tokens)
+        assert torch.equal(torch.from_numpy(host.positions), positions)
+        assert torch.equal(torch.from_numpy(host.mask), mask)
+        fields = zip(host.rows, host.columns, host.targets, host.owners, strict=True)
+        got = [(r, c, t, *owner) for r, c, t, owner in fields]
+        assert got == [tuple(x) for x in scored.tolist()]
