@@ -43,7 +43,8 @@ GROUP_TOKENS = 32768
 # process, the median of 3 runs; 256 nightly rows / 64 Kev rows at 1,024 tokens / 256 rows scoring 3 choices):
 # chunks alone with the compiled rotary and SiLU x up took 0.50 / 0.51 / 0.60 s, groups of GROUP_TOKENS with
 # our kernels (`Stack.prefill_ops`) 0.37 / 0.40 / 0.47 s, every take still in one piece (one new token a row;
-# in nightly-2000's generation takes the held group costs ~16 rows, 240 against 256). Chunks alone are host
+# the held group, ~192 MiB, is part of every generation take's plan beside the chunk's measured transients:
+# nightly-2000's Laya takes still hold 256 rows). Chunks alone are host
 # bound (their dequantise and merge launches, 8 a layer and chunk): the kernels alone gained nothing there, and
 # larger chunks (16,384 tokens) planned so much activation memory that 256 rows took 3 takes.
 DEFAULT_GROUP_TOKENS = GROUP_TOKENS
