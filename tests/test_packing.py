@@ -66,6 +66,15 @@ def test_no_even_cut_where_the_longest_rows_to_come_fit_fewer_than_an_even_share
     lengths = [100] * 100 + [900]
     rows_for = lambda n: 100 if n < 500 else 49  # noqa: E731
     assert sizes(items(lengths), rows_for) == [100, 1]
+    probes = 0
+
+    def plan(model: str, *, input_tokens: int, **kw: Any) -> BatchPlan:
+        nonlocal probes
+        probes += kw.get("may_release") is False
+        return plan_of(rows_for)(model, input_tokens=input_tokens)
+
+    list(pack(items(lengths), scoring=False, on_loop=True, plan=plan, choice_tokens=lambda j: 0))
+    assert probes == 1  # asked once for the sub-batch, not again for every row after it
 
 
 def test_the_probe_for_the_rows_to_come_releases_nothing() -> None:

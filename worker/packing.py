@@ -58,6 +58,7 @@ def pack(
 
     current: list[Item] = []
     span = new = sampled = asking = 0  # the chunk's most choice tokens, most new tokens, sampled and logprob rows
+    greedy = False  # this sub-batch is cut where the plan cuts it (the rows to come cannot take an even share)
     for index, item in enumerate(ordered):
         longest = len(item.ids)  # ascending order: the newcomer is the longest in the chunk
         wanted = len(current) + len(ordered) - index  # the rows this sub-batch could still take
@@ -67,7 +68,7 @@ def pack(
         per_item = max(1, len(item.job.choices or ()))
         figures = (max(span, item_span), max(new, item.max_new), draws, reporting, per_item)
         rows = max(1, fitting(longest, *figures, rows_wanted=wanted))
-        share = even_share(rows, wanted)
+        share = rows if greedy else even_share(rows, wanted)
         if current and share < len(current) + 1 <= rows:
             # An even cut before the plan's own: only where the longest rows still to come fit an even share
             # too (the plan shrinks as prompts grow; cut early for a share they cannot take, the rows would
@@ -84,10 +85,10 @@ def pack(
                 may_release=False,
             )  # fmt: skip
             if tail < share:
-                share = rows
+                share, greedy = rows, True  # for the rest of this sub-batch: probed once
         if current and len(current) + 1 > share:
             yield current
-            current, span, new, sampled, asking = [], 0, 0, 0, 0
+            current, span, new, sampled, asking, greedy = [], 0, 0, 0, 0, False
         current.append(item)
         span, new = max(span, item_span), max(new, item.max_new)
         sampled += not scoring and item.job.temperature > 0
