@@ -74,16 +74,17 @@ def pack(
             # too (the plan shrinks as prompts grow; cut early for a share they cannot take, the rows would
             # need more sub-batches than greedy packing). Probed without releasing anything.
             rest = ordered[index:]
+            rest_asking = asking + sum(not scoring and it.job.logprobs for it in rest)
+            rest_sampled = sampled + sum(not scoring and it.job.temperature > 0 for it in rest)
             tail = fitting(
                 len(rest[-1].ids),
                 max([span, *(choice_tokens(it.job) for it in rest)]) if on_loop else 0,
                 max(new, *(it.max_new for it in rest)),
-                sampled + sum(not scoring and it.job.temperature > 0 for it in rest)
-                + logprob_draws(asking + sum(not scoring and it.job.logprobs for it in rest)),
-                asking + sum(not scoring and it.job.logprobs for it in rest),
+                rest_sampled + logprob_draws(rest_asking),
+                rest_asking,
                 max(per_item, *(len(it.job.choices or ()) for it in rest)),
                 may_release=False,
-            )  # fmt: skip
+            )
             if tail < share:
                 share, greedy = rows, True  # for the rest of this sub-batch: probed once
         if current and len(current) + 1 > share:

@@ -236,16 +236,19 @@ class MemoryBudget:
         """CUDA: the allocator's peak starts afresh for a take (`take_peak`); the engine's peak and the peak
         since the last `mark` are kept."""
         if self.device.type == "cuda":
-            self._earlier_peak_bytes = self.peak_bytes()
             self._marked_peak_bytes = self.peak_since_mark()
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self._restart_peak()
 
     def mark(self) -> None:
         """CUDA: start a window for `peak_since_mark` (a benchmark's run of several takes)."""
         if self.device.type == "cuda":
-            self._earlier_peak_bytes = self.peak_bytes()
             self._marked_peak_bytes = 0
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self._restart_peak()
+
+    def _restart_peak(self) -> None:
+        """torch's peak statistic reset, the engine's peak kept."""
+        self._earlier_peak_bytes = self.peak_bytes()
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak_since_mark(self) -> int:
         """CUDA: the most allocated since `mark`, across the takes in between (0 elsewhere)."""

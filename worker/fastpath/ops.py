@@ -120,12 +120,11 @@ class Ops:
     and (prefill's, `norm_kernel`) the residual add with its RMSNorm by our own Triton kernels (`pointwise`)
     instead (rotary and SiLU x up bit-equal to eager on the H200, 1.7-14x faster on GPU time; the norm's sum of
     squares in another order, as the compiled one's), launched with a fraction of the compiled functions' host
-    time. The stack hands a
-    kernels copy (`with_kernels`) to prefill wherever they run: in its layer-major groups (dequantised once per
-    group) rotary and SiLU x up took a nightly take's prefill from 0.39 to 0.33 s (`bench prefill`), and a
-    prefill chunk's layer step is as much host work as GPU work on the H200 machines. The decode step gets one
-    only when asked (the worker's `--pointwise-kernels`): replayed from graphs, it has no host time to save,
-    and the end-to-end rows have not shown a gain there yet (`bench/RESULTS.md`)."""
+    time. The stack hands a kernels copy (`with_kernels`) to prefill wherever they run: in its layer-major groups
+    (dequantised once per group) rotary and SiLU x up took a nightly take's prefill from 0.39 to 0.33 s (`bench
+    prefill`), and a prefill chunk's layer step is as much host work as GPU work on the H200 machines. The
+    decode step gets one only when asked (the worker's `--pointwise-kernels`): replayed from graphs, it has no
+    host time to save, and the end-to-end rows have not shown a gain there yet (`bench/RESULTS.md`)."""
 
     def __init__(self, compiled: bool, kernels: bool = False) -> None:
         self.add_rms = Fused(add_rms, compiled)

@@ -121,7 +121,7 @@ class Launcher:
             return
         compiled = self.kernel[grid](*args, **constexprs, **self.options)
         if self.direct and not torch.cuda.is_current_stream_capturing():
-            self._trust(key, getattr(compiled, "result", lambda: compiled)(), grid, args, constexprs)
+            self._trust(key, compiled, grid, args, constexprs)
 
     def _run(self, compiled: Any, grid: tuple[int, int], args: tuple[Any, ...], constexprs: dict[str, Any]) -> None:
         """Every argument in the kernel's order, as Triton's `run` hands them to the compiled launcher (with the

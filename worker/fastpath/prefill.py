@@ -44,9 +44,9 @@ GROUP_TOKENS = 32768
 # chunks alone with the compiled rotary and SiLU x up took 0.50 / 0.51 / 0.60 s, groups of GROUP_TOKENS with
 # our kernels (`Stack.prefill_ops`) 0.37 / 0.40 / 0.47 s, every take still in one piece (one new token a row;
 # the held group, ~192 MiB, is part of every generation take's plan beside the chunk's measured transients:
-# nightly-2000's Laya takes still hold 256 rows). Chunks alone are host
-# bound (their dequantise and merge launches, 8 a layer and chunk): the kernels alone gained nothing there, and
-# larger chunks (16,384 tokens) planned so much activation memory that 256 rows took 3 takes.
+# nightly-2000's Laya takes still hold 256 rows). Chunks alone are host bound (their dequantise and merge
+# launches, 8 a layer and chunk): the kernels alone gained nothing there, and larger chunks (16,384 tokens)
+# planned so much activation memory that 256 rows took 3 takes.
 DEFAULT_GROUP_TOKENS = GROUP_TOKENS
 
 AdapterSelect = Callable[[Sequence[str | None]], contextlib.AbstractContextManager[dict[str, Any]]]
@@ -230,7 +230,8 @@ class Prefill:
         # The most one group of the last take held between layers (its chunks' hidden states, ids and cache
         # columns), measured from the tensors: what the planner's held term must cover.
         self.held_bytes = 0
-        # The elementwise steps a chunk's layers run: the stack's prefill set (our rotary and SiLU x up on a GPU).
+        # The elementwise steps a chunk's layers run: the stack's prefill set (on a GPU our rotary, SiLU x up and
+        # residual add with its RMSNorm).
         self.ops: Ops = stack.prefill_ops
 
     def run(

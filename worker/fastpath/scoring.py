@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.fastpath.graphs import KV
-from worker.fastpath.prefill import row_masks, to_device
+from worker.fastpath.prefill import host_to_device, row_masks, to_device
 from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
 from worker.fastpath.weights import Masks, Stack
 
@@ -80,11 +80,11 @@ class HostLayout:
     def on(self, part: Sequence[ScoreRow], dtype: torch.dtype, device: torch.device) -> _Layout:
         """On the device, with the rows' LoRA selection: only for the part about to run (every part's mask at
         once would be rows x T x (width + T) more than the plan counts)."""
-        long = lambda values: to_device(torch.tensor(values, dtype=torch.long), device)  # noqa: E731
+        long = lambda values: host_to_device(np.asarray(values, dtype=np.int64), device)  # noqa: E731
         return _Layout(
-            tokens=to_device(torch.from_numpy(self.tokens), device),
-            positions=to_device(torch.from_numpy(self.positions), device),
-            mask=to_device(torch.from_numpy(self.mask)[:, None], device),
+            tokens=host_to_device(self.tokens, device),
+            positions=host_to_device(self.positions, device),
+            mask=host_to_device(self.mask[:, None], device),
             rows=long(self.rows),
             columns=long(self.columns),
             targets=long(self.targets),
