@@ -18,7 +18,8 @@ these show. Machine to machine the figures move 10-20%: compare variants within 
 `--ops compiled` is the loop's torch.compile'd rotary and SiLU x up (eager on the CPU), `kernels` ours
 (`worker/fastpath/pointwise.py`, what prefill runs by default on a GPU); each run records whether ours really
 ran (`kernels_ran`: a failing kernel hands over to the compiled ones for good). `--groups` the layer-major group
-sizes (the loop's default 32,768; 0: each chunk alone).
+sizes (the loop's default 32,768; 0: each chunk alone). `--chunks` the chunk sizes (0, the default: the loop's own
+choice, 4,096 tokens or up to 8,192 where the memory free as the take's prefill starts holds them).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from bench.nightly import workload
 from shared.job import Job
 from worker.config import load_config
 from worker.engine import Engine
+from worker.fastpath.prefill import MAX_CHUNK_TOKENS
 from worker.memory import MIB, parse_bytes, prefill_chunk_bytes
 
 
@@ -157,8 +159,11 @@ def memory_figures(engine: Engine, jobs: list[Job], peak_above_mib: int) -> dict
 
 
 def use_variant(engine: Engine, ops: str, chunk_tokens: int, group_tokens: int) -> None:
+    """`chunk_tokens` 0: the loop's default (chunks of 4,096 tokens, up to `MAX_CHUNK_TOKENS` where memory holds
+    them); otherwise chunks of exactly that size."""
     for decoder in engine.decoders.values():
-        decoder.prefill.tokens = chunk_tokens
+        decoder.prefill.tokens = chunk_tokens or 4096
+        decoder.prefill.max_tokens = chunk_tokens or MAX_CHUNK_TOKENS
         decoder.prefill.group_tokens = group_tokens
         stack = decoder.stack
         if ops == "kernels" and not stack.prefill_ops.kernels:
@@ -172,7 +177,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--shape", default="qwen2.5-1.5b")
     parser.add_argument("--memory-budget", default="6GiB")
     parser.add_argument("--rows", type=int, default=256, help="rows of the nightly and choices workloads")
-    parser.add_argument("--chunks", default="4096", help="prefill chunk sizes (tokens) to compare")
+    parser.add_argument(
+        "--chunks", default="0", help="prefill chunk sizes (tokens) to compare; 0: the loop's default (4,096-8,192)"
+    )
     parser.add_argument("--groups", default="0,32768", help="layer-major group sizes (tokens; 0: each chunk alone)")
     parser.add_argument("--ops", default="compiled,kernels", help="compiled and/or kernels (ours)")
     parser.add_argument("--only", default="nightly,long,choices,mixed", help="workloads to run")
@@ -214,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     save_json(Path(args.out), "prefill.json", report)
     cells = "; ".join(
         f"{r['workload']} {r['ops']}{'' if r['kernels_ran'] == (r['ops'] == 'kernels') else ' (FELL BACK)'} "
-        f"{r['chunk_tokens']}/{r['group_tokens']}: {r['tokens_per_s']} tok/s ({r['wall_s']:.3f} s, "
+        f"{r['chunk_tokens'] or 'auto'}/{r['group_tokens']}: {r['tokens_per_s']} tok/s ({r['wall_s']:.3f} s, "
         f"{phase(r)} {r['phases_s'].get(phase(r), 0):.3f} s, peak +{r['peak_above_start_mib']} MiB: held "
         f"{r['held_mib']}, logits {r['logits_mib']}, chunk planned {r['planned_chunk_mib']})"
         for r in report["runs"]

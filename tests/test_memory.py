@@ -293,3 +293,25 @@ def test_the_loops_prefill_chunk_is_set_aside_as_measured_and_the_models_forward
     per_token = shape.prefill_bytes_per_token() + shape.kv_bytes_per_token()
     attention = (4096 // 256) * shape.attention_bytes_per_row(256)
     assert theirs == int((4096 * per_token + weights + attention) * SAFETY_FACTOR)
+
+
+@pytest.mark.parametrize("free_mib", [0, 300, 503, 900, 1400, 3000])
+def test_the_largest_prefill_chunk_the_free_memory_holds_is_what_the_plan_would_set_aside_for_it(free_mib: int) -> None:
+    """`prefill_chunk_tokens_within` inverts the plan's own chunk set-aside: that chunk plus the held group fits
+    the free memory, one token more does not; nothing fits where the held group and the weights alone do not."""
+    from worker.memory import prefill_chunk_bytes, prefill_chunk_tokens_within
+
+    shape = ModelShape.from_dict(QWEN_1_5B)
+    free = free_mib * MIB
+    held = GROUP_TOKENS * shape.prefill_held_bytes_per_token()
+
+    def needs(tokens: int) -> int:
+        return held + prefill_chunk_bytes(shape, chunk_tokens=tokens, input_tokens=1, flash=True)
+
+    tokens = prefill_chunk_tokens_within(shape, free, held_tokens=GROUP_TOKENS)
+    if needs(0) >= free:
+        assert tokens == 0
+    else:
+        assert needs(tokens) <= free < needs(tokens + 1)
+    if free_mib == 900:  # a held group of 32,768 tokens (~192 MiB) beside: a chunk of ~6,700 tokens
+        assert 6_000 < tokens < 7_000

@@ -128,11 +128,20 @@ def reference_merged(layer: Layer, masks: Masks) -> Dense | None:
     return layer.merge(dense, adapter, in_place=False) if layer.mergeable(dense, adapter) else None
 
 
-def chunk_major(prefill: Prefill, kv: KV, rows: Sequence[PromptRow], width: int, pad_id: int, logits: torch.Tensor):
-    """Each chunk through every layer before the next chunk: weights dequantised (and merged) per chunk and
-    layer, K/V repeated to every query head, rotary per chunk from its (rows, span) positions."""
+def chunk_major(
+    prefill: Prefill,
+    kv: KV,
+    rows: Sequence[PromptRow],
+    width: int,
+    pad_id: int,
+    logits: torch.Tensor,
+    tokens: int | None = None,
+):
+    """Each chunk (of about `tokens`, default the prefill's own) through every layer before the next chunk:
+    weights dequantised (and merged) per chunk and layer, K/V repeated to every query head, rotary per chunk
+    from its (rows, span) positions."""
     s = prefill.stack
-    for group in reference_groups(rows, prefill.tokens):
+    for group in reference_groups(rows, tokens or prefill.tokens):
         c = reference_chunk(prefill, rows, group, width, pad_id)
         h = s.embed(c.ids)
         count, span = c.ids.shape
@@ -464,3 +473,25 @@ def test_chunks_of_consecutive_rows_scatter_their_cache_writes(decoder: StaticDe
     for c in sliced:
         assert c.slots is not None
         assert torch.equal(c.slots[:, 0, :, 0], c.columns)
+
+
+@pytest.mark.parametrize(("room", "want"), [(None, 24), (10, 24), (37, 37), (10**9, 48)])
+def test_a_take_runs_larger_chunks_where_the_memory_free_holds_them(
+    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch, room: int | None, want: int
+) -> None:
+    """The planned chunk size at least, the memory's room (asked beside a full group's held states) up to
+    `max_tokens`; the cache and logits are the chunk-major loop's at the chunk size run."""
+    asked: list[int] = []
+    monkeypatch.setattr(decoder.prefill, "max_tokens", 2 * CHUNK_TOKENS)
+    monkeypatch.setattr(decoder.prefill, "room", lambda held: asked.append(held) or room)
+    rows = decode_rows()
+    width = max(len(r.ids) for r in rows)
+    kv_new, kv_old = fresh_kv(decoder, len(rows), width + 4), fresh_kv(decoder, len(rows), width + 4)
+    with torch.inference_mode():
+        new = decoder.prefill.run(kv_new, rows, width=width, out_rows=len(rows), pad_id=0, select=_no_fallback)
+        old = torch.zeros_like(new)
+        chunk_major(decoder.prefill, kv_old, rows, width, 0, old, want)
+    assert asked == [decoder.prefill.group_tokens]
+    assert decoder.prefill.last_tokens == want
+    assert_same_cache(kv_new, kv_old)
+    assert torch.equal(new, old)

@@ -15,6 +15,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from worker.config import ModelsConfig
 from worker.eager import generate_eager, sampling_params
 from worker.fastpath import DEFAULT_OPS, Decoded, OpsOptions, StaticDecoder, row_bucket
 from worker.loading import LoadedBase, load_all, stop_ids
-from worker.memory import MIB, BatchPlan
+from worker.memory import DTYPE_BYTES, MIB, BatchPlan
 from worker.outputs import RowOutput, as_label, generated_output, text_decoder, token_bytes
 from worker.packing import OomGuard, pack
 from worker.planner import MemoryBudget
@@ -96,6 +97,10 @@ class Engine:
         self.loops = StaticLoops(self.bases, decode=decode, device=self.device, ops=ops)
         self.decoders: dict[str, StaticDecoder] = self.loops.decoders  # by base; a base without one: HF generate
         self.guard = OomGuard(self.loops.release)
+        for name, decoder in self.decoders.items():
+            base = self.bases[name]
+            dtype_bytes = DTYPE_BYTES[base.spec.compute_dtype]
+            decoder.prefill.room = partial(self.memory.prefill_chunk_room, base.shape, dtype_bytes=dtype_bytes)
         # After the loops: they keep float32 4-bit scales resident.
         self.memory.count_resident(b.model for b in self.bases.values())
         if self.device.type == "cuda":
@@ -273,10 +278,12 @@ class Engine:
         if peak is None:
             return
         longest = max(len(it.ids) for it in chunk)
+        decoder = self.decoders.get(self.config.models[chunk[0].job.model].base)
+        chunks = f"; prefill chunks of {decoder.prefill.last_tokens} tokens" if decoder and decoder.own_prefill else ""
         log.info(
-            "take: %d %s rows (%s, prompts up to %d tokens): allocator peak %d MiB, cap %d MiB, headroom %d MiB",
+            "take: %d %s rows (%s, prompts up to %d tokens): allocator peak %d MiB, cap %d MiB, headroom %d MiB%s",
             len(chunk), "+".join(sorted({it.job.model for it in chunk})), "scoring" if scoring else "generation",
-            longest, peak.peak_bytes // MIB, peak.cap_bytes // MIB, peak.headroom_bytes // MIB,
+            longest, peak.peak_bytes // MIB, peak.cap_bytes // MIB, peak.headroom_bytes // MIB, chunks,
         )  # fmt: skip
 
     def _calibrated(self, job: Job, out: RowOutput) -> RowOutput:

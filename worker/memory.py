@@ -199,6 +199,25 @@ def prefill_chunk_bytes(
     return int(chunk * SAFETY_FACTOR)
 
 
+def prefill_chunk_tokens_within(shape: ModelShape, free_bytes: int, *, held_tokens: int, dtype_bytes: int = 2) -> int:
+    """The most prompt tokens a chunk of the loop's own prefill may hold in `free_bytes`, beside a layer-major
+    group's held states of `held_tokens`: the largest chunk whose set-aside (`prefill_chunk_bytes`, the plan's
+    own figure: measured transients with their margin, two layers' weights) fits what is left. 0 where none."""
+
+    def chunk(tokens: int) -> int:
+        return prefill_chunk_bytes(shape, chunk_tokens=tokens, input_tokens=1, dtype_bytes=dtype_bytes, flash=True)
+
+    left = free_bytes - held_tokens * shape.prefill_held_bytes_per_token(dtype_bytes) - chunk(0)
+    if left <= 0:
+        return 0
+    tokens = int(left / (shape.prefill_bytes_per_token(dtype_bytes) * PREFILL_MARGIN))  # within a token or two
+    while chunk(tokens + 1) - chunk(0) <= left:
+        tokens += 1
+    while tokens > 0 and chunk(tokens) - chunk(0) > left:
+        tokens -= 1
+    return tokens
+
+
 def plan_batch(
     shape: ModelShape,
     *,

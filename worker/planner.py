@@ -27,7 +27,15 @@ import torch
 from worker.fastpath import ROW_BUCKETS, StaticDecoder, length_bucket
 from worker.fastpath.decoder import sampler_slots
 from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
-from worker.memory import DTYPE_BYTES, MIB, RESERVE_BYTES, BatchPlan, plan_batch
+from worker.memory import (
+    DTYPE_BYTES,
+    MIB,
+    RESERVE_BYTES,
+    BatchPlan,
+    ModelShape,
+    plan_batch,
+    prefill_chunk_tokens_within,
+)
 
 if TYPE_CHECKING:
     from worker.loading import LoadedBase
@@ -221,6 +229,17 @@ class MemoryBudget:
             return plan
         # Rows are padded up to a bucket: plan the largest bucket that fits, not a size padded past the plan.
         return replace(plan, max_rows=max((b for b in ROW_BUCKETS if b <= plan.max_rows), default=plan.max_rows))
+
+    def prefill_chunk_room(self, shape: ModelShape, held_tokens: int, *, dtype_bytes: int) -> int | None:
+        """CUDA: the prompt tokens a chunk of the loop's own prefill may hold now (`prefill_chunk_tokens_within`),
+        in what the allocator may still take under its cap, its slack kept. Asked as a take's prefill starts,
+        with its KV and logits allocated: the plan set aside a chunk of the loop's `prefill_tokens` for it, and a
+        take planned below the budget leaves more (the estimates carry margins; a take may hold fewer rows
+        than fit). Elsewhere None."""
+        if self.device.type != "cuda":
+            return None
+        free = self.plannable_bytes - self.reserve_bytes - int(torch.cuda.memory_allocated(self.device))
+        return prefill_chunk_tokens_within(shape, free, held_tokens=held_tokens, dtype_bytes=dtype_bytes)
 
     def process_bytes(self) -> int | None:
         """CUDA: the process now, as the driver reports it."""

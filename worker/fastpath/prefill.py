@@ -48,6 +48,15 @@ GROUP_TOKENS = 32768
 # launches, 8 a layer and chunk): the kernels alone gained nothing there, and larger chunks (16,384 tokens)
 # planned so much activation memory that 256 rows took 3 takes.
 DEFAULT_GROUP_TOKENS = GROUP_TOKENS
+# The most prompt tokens a chunk holds where the memory free at the take's prefill allows more than the
+# planned chunk (`Prefill.room`): fewer, larger chunks spend less host time a token (a chunk's layer step is ~13
+# launches, each tens of microseconds of host time). Measured on the H200 (`bench prefill --chunks`, 256 rows):
+# 4,096 -> 8,192 tokens took scoring 0.389 -> 0.331 s and nightly prefill 0.319 -> 0.304 s; 16,384 was slower
+# again (0.360 / 0.325 s: a chunk's rows span more prompt lengths, and padding grows).
+MAX_CHUNK_TOKENS = 8192
+
+# The chunk tokens memory allows now, beside a held group of this many prompt tokens (None: no figure).
+Room = Callable[[int], int | None]
 
 AdapterSelect = Callable[[Sequence[str | None]], contextlib.AbstractContextManager[dict[str, Any]]]
 
@@ -221,7 +230,11 @@ class Prefill:
     ) -> None:
         self.model = model  # what the fallback calls (the PEFT wrapper, so adapters apply)
         self.stack = stack
-        self.tokens = tokens  # about this many prompt tokens per chunk
+        self.tokens = tokens  # about this many prompt tokens per chunk: what the planner sets aside for
+        self.max_tokens = max(tokens, MAX_CHUNK_TOKENS)  # up to this many where `room` allows
+        # Set by the engine on a GPU: the chunk size the memory left under the budget holds at the time the
+        # take's prefill starts (its KV, logits and everything resident already allocated). None: `tokens`.
+        self.room: Room | None = None
         # At most this many padded prompt tokens (a single larger chunk: its own) go through the layers together.
         self.group_tokens = group_tokens
         # Prefill a single-adapter chunk with its (fused) LoRA merged into the dequantised weights.
@@ -230,6 +243,7 @@ class Prefill:
         # The most one group of the last take held between layers (its chunks' hidden states, ids and cache
         # columns), measured from the tensors: what the planner's held term must cover.
         self.held_bytes = 0
+        self.last_tokens = tokens  # the chunk size the last take's own prefill ran
         # The elementwise steps a chunk's layers run: the stack's prefill set (on a GPU our rotary, SiLU x up and
         # residual add with its RMSNorm).
         self.ops: Ops = stack.prefill_ops
@@ -254,7 +268,7 @@ class Prefill:
         if self.own:
             try:
                 with prefill_attention(stack.device):
-                    self.own_layers(kv, rows, width, pad_id, logits)
+                    self.own_layers(kv, rows, width, pad_id, logits, self.chunk_tokens())
                 return logits
             except torch.OutOfMemoryError:
                 raise
@@ -269,26 +283,35 @@ class Prefill:
             logits[where] = self.through_model(kv, where, part, ids, mask, select)
         return logits
 
-    def chunk_rows(self, rows: Sequence[PromptRow]) -> list[list[int]]:
-        """Rows grouped by prompt length into chunks of about `tokens` tokens (each chunk its rows' indices, the
-        longest last), each to be right-padded only to its own longest prompt: causal attention then needs no
-        mask (a real token never sees the padding after it), so SDPA runs its flash kernel with grouped-query
-        heads as they are."""
+    def chunk_tokens(self) -> int:
+        """A chunk's prompt tokens for the take about to run: `tokens`, or more (up to `max_tokens`) where the
+        memory free now holds larger chunks beside a full group's held states (`room`)."""
+        if self.room is None or self.max_tokens <= self.tokens:
+            return self.tokens
+        allowed = self.room(self.group_tokens)
+        return self.tokens if allowed is None else max(self.tokens, min(self.max_tokens, allowed))
+
+    def chunk_rows(self, rows: Sequence[PromptRow], tokens: int | None = None) -> list[list[int]]:
+        """Rows grouped by prompt length into chunks of about `tokens` tokens (default: `self.tokens`; each chunk
+        its rows' indices, the longest last), each to be right-padded only to its own longest prompt: causal
+        attention then needs no mask (a real token never sees the padding after it), so SDPA runs its flash
+        kernel with grouped-query heads as they are."""
+        limit = self.tokens if tokens is None else tokens
         lengths = [len(r.ids) for r in rows]
         order = sorted(range(len(rows)), key=lambda i: lengths[i])
         chunks: list[list[int]] = [[]]
         for i in order:  # ascending: the newcomer is the longest of its chunk
-            if chunks[-1] and (len(chunks[-1]) + 1) * lengths[i] > self.tokens:
+            if chunks[-1] and (len(chunks[-1]) + 1) * lengths[i] > limit:
                 chunks.append([])
             chunks[-1].append(i)
         return chunks
 
-    def layer_groups(self, rows: Sequence[PromptRow]) -> list[list[list[int]]]:
+    def layer_groups(self, rows: Sequence[PromptRow], tokens: int | None = None) -> list[list[list[int]]]:
         """The chunks (`chunk_rows`) in groups of consecutive ones holding at most `group_tokens` padded tokens
         together (a chunk larger than that alone): each group goes through the layers before the next."""
         groups: list[list[list[int]]] = [[]]
         held = 0
-        for chunk in self.chunk_rows(rows):
+        for chunk in self.chunk_rows(rows, tokens):
             padded = len(chunk) * len(rows[chunk[-1]].ids)
             if groups[-1] and held + padded > self.group_tokens:
                 groups.append([])
@@ -328,14 +351,24 @@ class Prefill:
             slots=slots,
         )
 
-    def own_layers(self, kv: KV, rows: Sequence[PromptRow], width: int, pad_id: int, logits: torch.Tensor) -> None:
-        """Every chunk through the decoder layers as HF computes them (same modules, same LoRA arithmetic as
-        PEFT), without PEFT's per-module Python or a dynamic cache to copy from: K/V go straight into the static
-        cache. Group by group (`layer_groups`), each group layer by layer, so each layer's 4-bit weights are
-        dequantised once per group and only one group's hidden states are held."""
+    def own_layers(
+        self,
+        kv: KV,
+        rows: Sequence[PromptRow],
+        width: int,
+        pad_id: int,
+        logits: torch.Tensor,
+        tokens: int | None = None,
+    ) -> None:
+        """Every chunk (of about `tokens` prompt tokens; default `self.tokens`) through the decoder layers as HF
+        computes them (same modules, same LoRA arithmetic as PEFT), without PEFT's per-module Python or a dynamic
+        cache to copy from: K/V go straight into the static cache. Group by group (`layer_groups`), each group
+        layer by layer, so each layer's 4-bit weights are dequantised once per group and only one group's hidden
+        states are held."""
         prompts = Prompts.of([r.ids for r in rows])
         self.held_bytes = 0
-        for group in self.layer_groups(rows):
+        self.last_tokens = self.tokens if tokens is None else tokens
+        for group in self.layer_groups(rows, tokens):
             self._group(kv, prompts, rows, group, width, pad_id, logits)
 
     def _group(
