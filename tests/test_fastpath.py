@@ -327,6 +327,32 @@ def test_an_expected_follow_up_sizes_its_models_take(tiny_models: Path) -> None:
     assert "laya" not in engine._longest_prompt
 
 
+def test_after_a_batch_that_only_scored_the_take_is_sized_for_scored_rows(tiny_models: Path) -> None:
+    """A scored row keeps its prompt and choices in the KV pool, not a whole answer: after a batch of only
+    choice rows the take is planned for those (more rows: the cache's length bucket is shorter), until a
+    generating row runs or is expected."""
+    engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static", memory_budget_bytes=GIB)
+    engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + 48 * MIB  # a plan below the row cap
+    scored = [Job(custom_id=f"c{i}", model="kev", prompt="hi", choices=("yes", "no")) for i in range(2)]
+    span = max(engine.choices.count(j) for j in scored)
+    longest = 280  # Kev answers up to 48 tokens: 280 + 48 in a 384-token cache, 280 + the choices in 320
+
+    def run(jobs: list[Job]) -> None:
+        engine.run(jobs)
+        engine._longest_prompt["kev"] = longest  # as after a batch of such prompts
+
+    run([Job(custom_id="g", model="kev", prompt="hi", max_new_tokens=1)])
+    generating = engine.capacity("kev")
+    run(scored)
+    assert engine.capacity("kev") == engine.plan("kev", input_tokens=longest, new_tokens=span).max_rows > generating
+    assert engine.capacity("laya") == engine.plan("laya", input_tokens=256).max_rows  # another model: as it was
+    run([*scored, Job(custom_id="g", model="kev", prompt="hi", max_new_tokens=1)])  # both kinds
+    assert engine.capacity("kev") == generating
+    run(scored)
+    engine.expect(Job(custom_id="f", model="kev", prompt="hi"))  # a generating follow-up is coming
+    assert engine.capacity("kev") == generating
+
+
 def _lora_linears(dtype: torch.dtype, outs: tuple[int, ...]) -> tuple[Any, ...]:
     """PEFT LoRA linears reading one 32-wide input (as q and k do), one per output width, each with two
     adapters (ranks 8 and 4, different scales) on a `dtype` base layer, adapters kept in float32 as PEFT keeps

@@ -93,6 +93,9 @@ class Engine:
         self.choices = ChoiceTokens(config, self.bases)
         self.phase_s: Counter[str] = Counter()  # seconds spent encoding prompts and building outputs
         self._longest_prompt: dict[str, int] = {}  # per model, in its last batch: sizes the worker's take
+        # Per model on the static loop whose last batch only scored choices: its rows' most choice tokens (a
+        # scored row keeps its prompt and choices in the KV pool, not its prompt and a whole answer).
+        self._scored_tokens: dict[str, int] = {}
         self._logged_takes: dict[str, tuple[int, int]] = {}  # per model: the take size last logged, and its prompts
         self.loops = StaticLoops(self.bases, decode=decode, device=self.device, ops=ops)
         self.decoders: dict[str, StaticDecoder] = self.loops.decoders  # by base; a base without one: HF generate
@@ -179,22 +182,27 @@ class Engine:
 
     def capacity(self, model: str) -> int:
         """How many jobs the worker takes per batch: the plan for typical prompts, or for the longest prompt
-        of this model's last batch when that was longer. `run` packs the rows by their real lengths into
-        sub-batches that fit, so a take of long prompts is still safe; sizing the take by what was seen keeps
-        it from being split (each sub-batch decodes as many steps as its longest answer)."""
+        of this model's last batch when that was longer; rows that score choices where its last batch only
+        scored (a scored row's KV holds its choices, not a whole answer: ~200 rows at Laya's longest prompts
+        where generation plans 176). `run` packs the rows by their real lengths and kinds into sub-batches that
+        fit, so a take of long prompts or of other rows is still safe; sizing the take by what was seen keeps it
+        from being split (each sub-batch decodes as many steps as its longest answer)."""
         seen = max(TYPICAL_INPUT_TOKENS, self._longest_prompt.get(model, 0))
         typical = min(self.config.models[model].max_input_tokens, seen)
+        scored = self._scored_tokens.get(model)
         self.loops.drop_idle(GRAPH_IDLE_S, min_rows=GRAPH_DROP_ROWS)
         self.refresh_memory()
-        plan = self.plan(model, input_tokens=typical, may_release=False)  # a look: the take may be the other model's
-        if self._logged_takes.get(model) != (plan.max_rows, typical):
-            self._logged_takes[model] = (plan.max_rows, typical)
+        # A look: the take may be the other model's.
+        plan = self.plan(model, input_tokens=typical, new_tokens=scored, may_release=False)
+        if self._logged_takes.get(model) != (plan.max_rows, typical, scored):
+            self._logged_takes[model] = (plan.max_rows, typical, scored)
             # An operator's answer to "why this take size": what the budget left and what a row costs.
             log.info(
-                "take for %s: %d rows at prompts up to %d tokens: %d MiB left for rows after %d MiB held "
+                "take for %s: %d rows at prompts up to %d tokens%s: %d MiB left for rows after %d MiB held "
                 "(weights, graphs' pool, caches, a KV pool of %d MiB that takes it holds reuse), %.1f MiB per row",
-                model, plan.max_rows, typical, plan.free_bytes // MIB, self.memory.planned_resident_bytes // MIB,
-                plan.kv_pool_bytes // MIB, plan.bytes_per_row / MIB,
+                model, plan.max_rows, typical, "" if scored is None else f", scoring {scored} choice tokens",
+                plan.free_bytes // MIB, self.memory.planned_resident_bytes // MIB, plan.kv_pool_bytes // MIB,
+                plan.bytes_per_row / MIB,
             )  # fmt: skip
         return max(1, plan.max_rows)
 
@@ -212,6 +220,8 @@ class Engine:
         except JobFailure:
             return  # it fails when it runs; nothing to plan for
         self._longest_prompt[job.model] = max(self._longest_prompt.get(job.model, 0), len(item.ids))
+        if not job.scores_choices:
+            self._scored_tokens.pop(job.model, None)  # a row that generates is coming: a take sized for those
 
     def stats(self) -> EngineStats:
         """Counters for logs, status and benchmarks."""
@@ -252,6 +262,7 @@ class Engine:
             groups[(spec.base, *self._mode(job))].append(item)
             longest[job.model] = max(longest.get(job.model, 0), len(item.ids))
         self._longest_prompt.update(longest)
+        self._remember_kinds(groups)
         self.phase_s["encode"] += time.perf_counter() - started
         for key, items in groups.items():
             scoring = key[1] == "choices"
@@ -271,6 +282,21 @@ class Engine:
                 self.refresh_memory()  # the next sub-batch is planned beside the pool and graphs this one left
         done = [o if o is not None else RowOutput.failed(INTERNAL, "no output produced") for o in outputs]
         return [self._calibrated(job, out) for job, out in zip(jobs, done, strict=True)]
+
+    def _remember_kinds(self, groups: dict[tuple[Any, ...], list[Item]]) -> None:
+        """Per model of this batch: its rows' most choice tokens where they all scored on the static loop (what
+        its next take is sized for, `capacity`), else nothing."""
+        generating = {it.job.model for key, items in groups.items() if key[1] != "choices" for it in items}
+        scored: dict[str, int] = {}
+        for key, items in groups.items():
+            if key[1] == "choices" and key[0] in self.decoders:
+                for it in items:
+                    scored[it.job.model] = max(scored.get(it.job.model, 0), self.choices.count(it.job))
+        for model in {it.job.model for items in groups.values() for it in items}:
+            if model in scored and model not in generating:
+                self._scored_tokens[model] = scored[model]
+            else:
+                self._scored_tokens.pop(model, None)
 
     def _log_take(self, chunk: list[Item], scoring: bool) -> None:
         """CUDA: a sub-batch's allocator peak beside the cap (see `MemoryBudget.take_peak`)."""
