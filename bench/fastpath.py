@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 fuse_lora=False,
                 ops=ops,
             )
+        static.give_prefill_room()
     tok = eager.base_for("laya").tokenizer
     specs = workload(max(args.rows, 256), 0.0, tokenizer=tok, seed=5)
     laya, kev = jobs_from(specs[: args.rows], "laya"), jobs_from(specs[: args.rows], "kev", 64)

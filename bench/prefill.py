@@ -141,7 +141,8 @@ def reset_peak(engine: Engine, device: str) -> int:
 def memory_figures(engine: Engine, jobs: list[Job], peak_above_mib: int) -> dict[str, int]:
     """The take's memory beside what the planner sets aside for it: the peak above what was allocated before
     the run (the KV pool reused, so: prefill's transients, its held hidden states, the first-token logits),
-    the held states measured from their tensors, and the plan's prefill chunk set-aside."""
+    the held states measured from their tensors, the chunk size the run used, and the plan's set-aside for a
+    chunk of that size."""
     decoder = engine.decoders[engine.config.models[jobs[0].model].base]
     base = engine.base_for(jobs[0].model)
     vocab = base.shape.vocab
@@ -149,9 +150,10 @@ def memory_figures(engine: Engine, jobs: list[Job], peak_above_mib: int) -> dict
         "peak_above_start_mib": peak_above_mib,
         "held_mib": round(decoder.prefill.held_bytes / MIB),
         "logits_mib": round(len(jobs) * vocab * 2 / MIB),
+        "chunk_tokens_run": decoder.prefill.last_tokens,
         "planned_chunk_mib": round(
             prefill_chunk_bytes(
-                base.shape, chunk_tokens=decoder.prefill.tokens, input_tokens=512, flash=decoder.own_prefill
+                base.shape, chunk_tokens=decoder.prefill.last_tokens, input_tokens=512, flash=decoder.own_prefill
             )
             / MIB
         ),
@@ -219,13 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.host_profile:
             host_profile(engine, jobs, Path(args.out), f"prefill-{name}")
     save_json(Path(args.out), "prefill.json", report)
-    cells = "; ".join(
-        f"{r['workload']} {r['ops']}{'' if r['kernels_ran'] == (r['ops'] == 'kernels') else ' (FELL BACK)'} "
-        f"{r['chunk_tokens'] or 'auto'}/{r['group_tokens']}: {r['tokens_per_s']} tok/s ({r['wall_s']:.3f} s, "
-        f"{phase(r)} {r['phases_s'].get(phase(r), 0):.3f} s, peak +{r['peak_above_start_mib']} MiB: held "
-        f"{r['held_mib']}, logits {r['logits_mib']}, chunk planned {r['planned_chunk_mib']})"
-        for r in report["runs"]
-    )
+    cells = "; ".join(cell(r) for r in report["runs"])
     append_results(
         f"| prefill | {report['hardware']} | {args.shape} NF4, worker defaults but the variant named "
         f"(ops chunk tokens/layer-major group tokens) | {cells} | "
@@ -233,6 +229,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         Path(args.out),
     )
     return report
+
+
+def cell(r: dict[str, Any]) -> str:
+    """One run's figures in the row: the chunk size named (`auto (N)`: the loop's own choice, N what it ran)."""
+    chunk = r["chunk_tokens"] or f"auto ({r['chunk_tokens_run']})"
+    fell_back = "" if r["kernels_ran"] == (r["ops"] == "kernels") else " (FELL BACK)"
+    return (
+        f"{r['workload']} {r['ops']}{fell_back} {chunk}/{r['group_tokens']}: {r['tokens_per_s']} tok/s "
+        f"({r['wall_s']:.3f} s, {phase(r)} {r['phases_s'].get(phase(r), 0):.3f} s, peak +{r['peak_above_start_mib']} "
+        f"MiB: held {r['held_mib']}, logits {r['logits_mib']}, chunk planned {r['planned_chunk_mib']})"
+    )
 
 
 def phase(run: dict[str, Any]) -> str:

@@ -25,7 +25,16 @@ from worker.fastpath import DecodeRow, StaticDecoder
 from worker.fastpath import weights as weights_module
 from worker.fastpath.graphs import KV
 from worker.fastpath.ops import causal_attention, repeat_kv
-from worker.fastpath.prefill import GROUP_TOKENS, Chunk, Passes, Prefill, PromptRow, row_masks, to_device
+from worker.fastpath.prefill import (
+    GROUP_TOKENS,
+    MAX_CHUNK_TOKENS,
+    Chunk,
+    Passes,
+    Prefill,
+    PromptRow,
+    row_masks,
+    to_device,
+)
 from worker.fastpath.weights import Dense, Layer, Masks, is_mixed, only_adapter
 from worker.loading import select_adapters
 
@@ -476,12 +485,15 @@ def test_chunks_of_consecutive_rows_scatter_their_cache_writes(decoder: StaticDe
 
 
 @pytest.mark.parametrize(("room", "want"), [(None, 24), (10, 24), (37, 37), (10**9, 48)])
+@pytest.mark.parametrize("group_tokens", [GROUP_TOKENS, 20])
 def test_a_take_runs_larger_chunks_where_the_memory_free_holds_them(
-    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch, room: int | None, want: int
+    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch, room: int | None, want: int, group_tokens: int
 ) -> None:
-    """The planned chunk size at least, the memory's room (asked beside a full group's held states) up to
-    `max_tokens`; the cache and logits are the chunk-major loop's at the chunk size run."""
+    """The planned chunk size at least, the memory's room (asked beside a full group's held states, or the
+    largest chunk's where groups are smaller than chunks) up to `max_tokens`; the cache and logits are the
+    chunk-major loop's at the chunk size run."""
     asked: list[int] = []
+    monkeypatch.setattr(decoder.prefill, "group_tokens", group_tokens)
     monkeypatch.setattr(decoder.prefill, "max_tokens", 2 * CHUNK_TOKENS)
     monkeypatch.setattr(decoder.prefill, "room", lambda held: asked.append(held) or room)
     rows = decode_rows()
@@ -491,7 +503,19 @@ def test_a_take_runs_larger_chunks_where_the_memory_free_holds_them(
         new = decoder.prefill.run(kv_new, rows, width=width, out_rows=len(rows), pad_id=0, select=_no_fallback)
         old = torch.zeros_like(new)
         chunk_major(decoder.prefill, kv_old, rows, width, 0, old, want)
-    assert asked == [decoder.prefill.group_tokens]
+    assert asked == [max(group_tokens, 2 * CHUNK_TOKENS)]
     assert decoder.prefill.last_tokens == want
     assert_same_cache(kv_new, kv_old)
     assert torch.equal(new, old)
+
+
+def test_the_largest_chunk_follows_the_planned_one_unless_set(tiny_models: Path) -> None:
+    engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static")
+    (decoder,) = engine.decoders.values()
+    prefill = decoder.prefill
+    assert (prefill.tokens, prefill.max_tokens) == (4096, MAX_CHUNK_TOKENS)
+    prefill.tokens = 10_000  # a larger planned chunk is never capped below itself
+    assert prefill.max_tokens == 10_000
+    prefill.tokens, prefill.max_tokens = 24, 48
+    assert prefill.max_tokens == 48
+    assert prefill.chunk_tokens() == 24  # no room figure (the CPU): the planned size

@@ -100,16 +100,21 @@ class Engine:
         self.loops = StaticLoops(self.bases, decode=decode, device=self.device, ops=ops)
         self.decoders: dict[str, StaticDecoder] = self.loops.decoders  # by base; a base without one: HF generate
         self.guard = OomGuard(self.loops.release)
-        for name, decoder in self.decoders.items():
-            base = self.bases[name]
-            dtype_bytes = DTYPE_BYTES[base.spec.compute_dtype]
-            decoder.prefill.room = partial(self.memory.prefill_chunk_room, base.shape, dtype_bytes=dtype_bytes)
+        self.give_prefill_room()
         # After the loops: they keep float32 4-bit scales resident.
         self.memory.count_resident(b.model for b in self.bases.values())
         if self.device.type == "cuda":
             self.warm_up()
             # The warm-up loaded kernels (compiled ones, cuBLAS, flash) into the context.
             self.memory.cap_allocator("warm-up")
+
+    def give_prefill_room(self) -> None:
+        """Each static loop's prefill asks the memory budget how large a chunk the take about to run may hold
+        (`MemoryBudget.prefill_chunk_room`). Again after a loop is replaced (a benchmark's variant)."""
+        for name, decoder in self.decoders.items():
+            base = self.bases[name]
+            dtype_bytes = DTYPE_BYTES[base.spec.compute_dtype]
+            decoder.prefill.room = partial(self.memory.prefill_chunk_room, base.shape, dtype_bytes=dtype_bytes)
 
     def warm_up(self) -> None:
         """Every static loop's kernels loaded at start, not by the first jobs (see `worker.static.warm_up`)."""

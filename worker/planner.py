@@ -118,6 +118,9 @@ class MemoryBudget:
         self.total_bytes = total_bytes  # the whole process (CUDA default: the GPU's total minus a margin)
         self.outside_allocator_bytes = 0  # CUDA: context, kernels, workspaces (measured)
         self.held_bytes: int | None = None  # CUDA: what the allocator holds (KV pools included), at the last look
+        # CUDA: of that, what no new allocation can use at the last look -- the decode graphs' private pool
+        # (blocks a capture freed stay the graph's), free pieces of segments live tensors hold.
+        self.pooled_bytes = 0
         self.resident_bytes = 0  # the loaded models (see `count_resident`)
         self._earlier_peak_bytes = 0  # CUDA: the allocator's peak before the current take's (`take_started`)
         self._marked_peak_bytes = 0  # CUDA: the same since the last `mark`
@@ -161,6 +164,7 @@ class MemoryBudget:
         if self.device.type != "cuda":
             return
         self.held_bytes = held_bytes(self.device)
+        self.pooled_bytes = max(0, self.held_bytes - int(torch.cuda.memory_allocated(self.device)))
         # Kernels for new shapes (flash attention, cuBLAS) load into the context as batches come: the measured
         # H200 process grew past the budget by 10 MiB with the cap set only at start and after the warm-up.
         outside = measure(self.device).outside_allocator_bytes
@@ -232,13 +236,15 @@ class MemoryBudget:
 
     def prefill_chunk_room(self, shape: ModelShape, held_tokens: int, *, dtype_bytes: int) -> int | None:
         """CUDA: the prompt tokens a chunk of the loop's own prefill may hold now (`prefill_chunk_tokens_within`),
-        in what the allocator may still take under its cap, its slack kept. Asked as a take's prefill starts,
-        with its KV and logits allocated: the plan set aside a chunk of the loop's `prefill_tokens` for it, and a
-        take planned below the budget leaves more (the estimates carry margins; a take may hold fewer rows
-        than fit). Elsewhere None."""
+        in what the allocator may still take under its cap: its slack kept, and what it holds that no new
+        allocation can use as of the last `refresh` (`pooled_bytes`: the graphs' pool above all) counted as
+        taken. Asked as a take's prefill starts, with its KV and logits allocated: the plan set aside a chunk of
+        the loop's `prefill_tokens` for it, and a take planned below the budget leaves more (the estimates
+        carry margins; a take may hold fewer rows than fit). Elsewhere None."""
         if self.device.type != "cuda":
             return None
-        free = self.plannable_bytes - self.reserve_bytes - int(torch.cuda.memory_allocated(self.device))
+        allocated = int(torch.cuda.memory_allocated(self.device))
+        free = self.plannable_bytes - self.reserve_bytes - allocated - self.pooled_bytes
         return prefill_chunk_tokens_within(shape, free, held_tokens=held_tokens, dtype_bytes=dtype_bytes)
 
     def process_bytes(self) -> int | None:

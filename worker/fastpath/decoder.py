@@ -4,11 +4,11 @@ HF `generate` spends most of a decode step in Python and kernel launches (measur
 step whatever the batch size), so the GPU idles. Here greedy decoding of a batch runs as:
 
 1. prefill by the loop's own layer code, in chunks of rows of similar length (~4,096 tokens each, bounding
-   activation memory), each right-padded only to its own longest prompt so causal attention needs no mask;
-   layer-major: each layer's 4-bit weights are dequantised once per batch (one op per joined projection, not
-   bitsandbytes' Python path, a single adapter's LoRA merged in) and every chunk runs through that layer
-   before the next; K/V go straight into a preallocated cache of `rows x cache_len` slots, where every row's
-   prompt ends in the same column;
+   activation memory, up to 8,192 where the memory free then holds them), each right-padded only to its own
+   longest prompt so causal attention needs no mask; layer-major: each layer's 4-bit weights are dequantised
+   once per batch (one op per joined projection, not bitsandbytes' Python path, a single adapter's LoRA merged
+   in) and every chunk runs through that layer before the next; K/V go straight into a preallocated cache of
+   `rows x cache_len` slots, where every row's prompt ends in the same column;
 2. one decode step -- embedding, every decoder layer, the LM head, the greedy choice, its log-probability,
    stop/limit bookkeeping -- written over static buffers, so on CUDA it is captured once per (rows bucket,
    length bucket, adapters) and replayed; the host checks "all rows finished?" only every few steps;

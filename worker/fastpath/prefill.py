@@ -35,9 +35,9 @@ from worker.fastpath.weights import Dense, Layer, Masks, Stack, is_mixed, only_a
 
 log = logging.getLogger("kevlaya.fastpath")
 
-# A layer-major group of 8 chunks of the default 4,096 tokens: each layer dequantised once per 8 chunks, not per
-# chunk; for a Qwen2.5-1.5B shape in bfloat16 (6,160 bytes a token) ~192 MiB held at most, what the planner sets
-# aside for a take larger than a group (worker/memory.py).
+# A layer-major group of 8 chunks of the planned 4,096 tokens (4 of 8,192 where memory allows them): each layer
+# dequantised once per group, not per chunk; for a Qwen2.5-1.5B shape in bfloat16 (6,160 bytes a token) ~192 MiB
+# held at most, what the planner sets aside for a take larger than a group (worker/memory.py).
 GROUP_TOKENS = 32768
 # What the loop runs by default. Measured on the H200 under a 6 GiB budget (`python -m bench prefill`, one
 # process, the median of 3 runs; 256 nightly rows / 64 Kev rows at 1,024 tokens / 256 rows scoring 3 choices):
@@ -231,7 +231,7 @@ class Prefill:
         self.model = model  # what the fallback calls (the PEFT wrapper, so adapters apply)
         self.stack = stack
         self.tokens = tokens  # about this many prompt tokens per chunk: what the planner sets aside for
-        self.max_tokens = max(tokens, MAX_CHUNK_TOKENS)  # up to this many where `room` allows
+        self._max_tokens: int | None = None  # see `max_tokens`
         # Set by the engine on a GPU: the chunk size the memory left under the budget holds at the time the
         # take's prefill starts (its KV, logits and everything resident already allocated). None: `tokens`.
         self.room: Room | None = None
@@ -283,12 +283,23 @@ class Prefill:
             logits[where] = self.through_model(kv, where, part, ids, mask, select)
         return logits
 
+    @property
+    def max_tokens(self) -> int:
+        """The most prompt tokens a chunk holds where `room` allows: set, or `MAX_CHUNK_TOKENS` (never below
+        `tokens`, whatever `tokens` is set to later)."""
+        return max(self.tokens, MAX_CHUNK_TOKENS if self._max_tokens is None else self._max_tokens)
+
+    @max_tokens.setter
+    def max_tokens(self, tokens: int | None) -> None:
+        self._max_tokens = tokens
+
     def chunk_tokens(self) -> int:
         """A chunk's prompt tokens for the take about to run: `tokens`, or more (up to `max_tokens`) where the
-        memory free now holds larger chunks beside a full group's held states (`room`)."""
+        memory free now holds larger chunks beside a full group's held states (`room`; a group smaller than a
+        chunk holds that chunk alone)."""
         if self.room is None or self.max_tokens <= self.tokens:
             return self.tokens
-        allowed = self.room(self.group_tokens)
+        allowed = self.room(max(self.group_tokens, self.max_tokens))
         return self.tokens if allowed is None else max(self.tokens, min(self.max_tokens, allowed))
 
     def chunk_rows(self, rows: Sequence[PromptRow], tokens: int | None = None) -> list[list[int]]:
