@@ -256,6 +256,7 @@ class Client(BatchReads):
                     for key in (items, id_set):
                         pipe.expire(key, self.batch_ttl_s)
                     enqueue_entries(pipe, self.queues, entries, self.enqueue)
+                    pipe.publish(self.keys.queued(), lane)  # idle workers wake now, not at their next poll
                     results = pipe.execute(raise_on_error=False)
                 except WatchError:
                     continue

@@ -95,6 +95,11 @@ class Keys:
         """Pub/sub channel: a batch id each time a batch reaches a terminal state (once per batch)."""
         return f"{self.prefix}events"
 
+    def queued(self) -> str:
+        """Pub/sub channel: a lane name each time a submit enqueues a chunk of jobs (idle workers wake on it
+        instead of at their next poll)."""
+        return f"{self.prefix}queued"
+
     def outbox(self) -> str:
         """List: JSON notices of finished batches that asked for an HTTP POST; workers deliver them."""
         return f"{self.prefix}notices"

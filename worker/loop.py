@@ -39,6 +39,7 @@ from worker.settle import Row, Settler, dead_letter, outputs_tokens
 from worker.stats import PUBLISH_EVERY_BATCHES, BatchFacts, WorkerStats
 from worker.take import Take, Taker
 from worker.versions import model_versions
+from worker.wake import Wake
 
 log = logging.getLogger("kevlaya.worker")
 
@@ -80,6 +81,7 @@ class BatchWorker:
         self.recovery = RecoveryPass(redis, self.keys, self.bridge, config.names, self.stats)
         self.current_model: str | None = None
         self._stop = threading.Event()
+        self.wake = Wake(redis, self.keys.queued(), self._stop)  # the idle wait: a submit ends it
         self.ready = threading.Event()  # registered and serving (/readyz)
         self._suspended = False
         self._errors_reported = 0
@@ -147,6 +149,7 @@ class BatchWorker:
         finally:
             self.ready.clear()
             self._stop.set()
+            self.wake.close()
             if notifier is not None:
                 notifier.thread.join(timeout=5)
             self.stats.publish(self.redis, self.keys, self.name)
@@ -196,7 +199,7 @@ class BatchWorker:
         if ref is None:
             if self.settings.burst and not self._anything_recoverable():
                 return False
-            self._stop.wait(self.settings.idle_poll_s)
+            self.wake.wait(self.settings.idle_poll_s)
             return True
         self.bulk_turn.record(ref, bulk_waiting=any(s.depth for r, s in states.items() if r.lane == BULK))
         if self.current_model is not None and ref.model != self.current_model:
