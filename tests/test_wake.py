@@ -16,7 +16,7 @@ from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.worker_helpers import wait_until
 from worker.loop import BatchWorker
 from worker.settings import WorkerSettings
-from worker.wake import Wake
+from worker.wake import MIN_WAKE_GAP_S, Wake
 
 CHANNEL = Keys().queued()
 
@@ -77,3 +77,25 @@ def test_an_idle_worker_takes_a_submit_before_its_poll_interval_ends(client: Cli
         worker.request_stop()
         thread.join(timeout=60)
     assert not thread.is_alive()  # a stop request ends the 120 s wait too
+
+
+def test_a_flood_on_the_channel_wakes_the_loop_no_more_often_than_the_least_gap(redis: Redis) -> None:
+    wake = Wake(redis, CHANNEL, threading.Event())
+    flooding = threading.Event()
+
+    def flood() -> None:
+        while not flooding.is_set():
+            redis.publish(CHANNEL, "x")
+
+    try:
+        wake.wait(0.01)  # subscribed
+        thread = threading.Thread(target=flood)
+        thread.start()
+        woken, started = 0, time.monotonic()
+        while time.monotonic() - started < 0.5:
+            woken += wake.wait(0.1)
+        flooding.set()
+        thread.join()
+        assert 1 <= woken <= 0.5 / MIN_WAKE_GAP_S + 5
+    finally:
+        wake.close()

@@ -4,8 +4,8 @@ out (a burst's first take started on average half an interval, ~50 ms, after its
 
 The channel only shortens a wait: a message's content is never read, a missed one costs at most one interval,
 and any trouble with the subscription (Redis down, the server dropping a slow subscriber) falls back to a plain
-sleep and subscribes again at the next wait. Pending messages are drained at once, so a burst of chunks, or a
-flood on the channel, wakes the loop once a wait, never more.
+sleep and subscribes again at the next wait. Pending messages are drained at once, so a burst of chunks wakes the
+loop once, and wakes come at most every `MIN_WAKE_GAP_S` (a flood on the channel does not make it spin).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from redis.exceptions import RedisError
 log = logging.getLogger("kevlaya.worker")
 
 STOP_CHECK_S = 0.1  # a stop request ends a wait within this (a signal handler does no Redis I/O to end it)
+# Wakes closer together than this keep waiting: a flood on the channel (anyone who may submit may publish there)
+# makes an idle worker look at its queues at most this often, not at the flood's rate.
+MIN_WAKE_GAP_S = 0.01
 
 
 class Wake:
@@ -32,6 +35,7 @@ class Wake:
         self.channel = channel
         self.stop = stop
         self._pubsub: PubSub | None = None
+        self._woke_at = float("-inf")
 
     def wait(self, timeout_s: float) -> bool:
         """Until a submit announces queued work, `stop` is set (looked at every `STOP_CHECK_S`), or `timeout_s`
@@ -45,7 +49,10 @@ class Wake:
                     return False
                 if pubsub.get_message(timeout=min(STOP_CHECK_S, left)) is not None:
                     self._drain()
-                    return True
+                    now = time.monotonic()
+                    if now - self._woke_at >= MIN_WAKE_GAP_S:
+                        self._woke_at = now
+                        return True
             return False
         except (RedisError, OSError, ValueError) as exc:  # ValueError: a reply redis-py could not parse
             log.debug("wake channel unavailable (%s): sleeping the poll interval", exc)
