@@ -10,16 +10,27 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import asdict, fields, is_dataclass
+from functools import cache
 from typing import Any
+
+# Values returned as they are without a look at their type's fields (the common case, field after field).
+_SCALARS = frozenset({str, int, float, bool, type(None), dict, bytes})
 
 
 def field_items(record: Any) -> Iterator[tuple[str, Any]]:
     """(name, value) of each field of `record`, in order, nested records (or lists of them) as dicts."""
-    for field in fields(record):
-        yield field.name, plain(getattr(record, field.name))
+    for name in _field_names(type(record)):
+        yield name, plain(getattr(record, name))
+
+
+@cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
 
 
 def plain(value: Any) -> Any:
+    if type(value) in _SCALARS:
+        return value
     if is_dataclass(value) and not isinstance(value, type):
         return asdict(value)
     if isinstance(value, list) and value and is_dataclass(value[0]):

@@ -59,3 +59,27 @@ def test_worker_registration_keys(redis: Redis) -> None:
     worker.register_death()
     assert not bridge.worker_alive("w2")
     assert Queue("kevlaya:kev", connection=redis).intermediate_queue_key == "rq:queue:kevlaya:kev:intermediate"
+
+
+def test_rq_timestamps_read_as_rqs_own_format_reads_them() -> None:
+    """`parse_rq_time` takes exactly what strptime with RQ's format takes (RQ's `utcformat`), to the
+    microsecond; anything else (hostile bytes in a job hash) reads as None."""
+    from datetime import datetime, timezone
+
+    from rq.utils import now, utcformat
+
+    def strptime(text: str) -> float | None:
+        try:
+            return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+        except ValueError:
+            return None
+
+    stamps = [utcformat(now()), "2026-12-01T07:00:00.1Z", "2026-12-01T07:00:00.1234Z", "1999-01-31T23:59:59.999999Z"]
+    for text in stamps:
+        assert parse_rq_time(text) == parse_rq_time(text.encode()) == strptime(text) is not None
+    bad = ["", "x", "2026-12-01T07:00:00Z", "2026-12-01 07:00:00.1Z", "2026-13-01T07:00:00.1Z"]
+    bad += ["2026-02-30T07:00:00.1Z", "2026-12-01T07:00:00.1+05:00Z", "2026-12-01T07:00:00.1"]
+    bad += ["\uff12026-12-01T07:00:00.1Z"]  # a fullwidth digit
+    for text in bad:
+        assert parse_rq_time(text) is None
+    assert parse_rq_time(b"\xff\xfe\x00Z") is None

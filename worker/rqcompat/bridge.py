@@ -236,17 +236,24 @@ class RQBridge(Registration, Reclaim):
     def finish(self, ref: QueueRef, done: Sequence[tuple[str, str | None]], *, ttl_s: int) -> None:
         """Move each (job_id, error message or None) out of started into finished/failed, in one pipeline.
         A hostile job key of the wrong type fails only its own commands (raise_on_error=False)."""
+        if not done:
+            return
         now_s, stamp = time.time(), rq_now()
         with self.redis.pipeline(transaction=False) as pipe:
+            # The registries are the worker's own keys (a producer's ACL cannot write them): one command each
+            # for the whole take, not one per job.
+            pipe.zrem(self.started[ref].key, *[f"{job_id}:{self.exec_id}" for job_id, _ in done])
+            finished = {job_id: now_s + ttl_s for job_id, error in done if error is None}
+            failed = {job_id: now_s + ttl_s for job_id, error in done if error is not None}
+            for registry, members in ((self.finished[ref], finished), (self.failed[ref], failed)):
+                if members:
+                    pipe.zadd(registry.key, members)
             for job_id, error in done:
-                pipe.zrem(self.started[ref].key, f"{job_id}:{self.exec_id}")
                 key = RQJob.key_for(job_id)
                 if error is None:
-                    pipe.zadd(self.finished[ref].key, {job_id: now_s + ttl_s})
                     pipe.hset(key, mapping={"status": "finished", "ended_at": stamp})
                     pipe.hdel(key, FAILED_FIELD)
                 else:
-                    pipe.zadd(self.failed[ref].key, {job_id: now_s + ttl_s})
                     exc = zlib.compress(error.encode("utf-8", "replace"))
                     pipe.hset(key, mapping={"status": "failed", "ended_at": stamp, "exc_info": exc, FAILED_FIELD: "1"})
                 pipe.expire(key, ttl_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import zlib
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -23,6 +24,10 @@ FAILED_FIELD = "kevlaya_failed"
 MAX_DATA_BYTES = 4 << 20  # a job's inflated payload; real ones are < 200 KiB (shared.job.Limits)
 
 
+# RQ's timestamp shape, as strptime's "%Y-%m-%dT%H:%M:%S.%fZ" takes it (1-6 digits of the second's fraction).
+RQ_TIME_RE = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{1,6}Z", re.ASCII)
+
+
 def rq_now() -> str:
     """RQ's timestamp format (UTC, microseconds, 'Z')."""
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -32,8 +37,11 @@ def parse_rq_time(value: bytes | str | None) -> float | None:
     if not value:
         return None
     text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    if not RQ_TIME_RE.fullmatch(text):
+        return None
     try:
-        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+        # fromisoformat on RQ's shape, not strptime: ~20x less host time, for every job a take loads.
+        return datetime.fromisoformat(text[:-1]).replace(tzinfo=timezone.utc).timestamp()
     except ValueError:
         return None
 
