@@ -96,7 +96,8 @@ class Engine:
         # Per model on the static loop whose last batch only scored choices: its rows' most choice tokens (a
         # scored row keeps its prompt and choices in the KV pool, not its prompt and a whole answer).
         self._scored_tokens: dict[str, int] = {}
-        self._logged_takes: dict[str, tuple[int, int]] = {}  # per model: the take size last logged, and its prompts
+        # Per model: the take size last logged, its prompts and its scored rows' choice tokens (None: generation).
+        self._logged_takes: dict[str, tuple[int, int, int | None]] = {}
         self.loops = StaticLoops(self.bases, decode=decode, device=self.device, ops=ops)
         self.decoders: dict[str, StaticDecoder] = self.loops.decoders  # by base; a base without one: HF generate
         self.guard = OomGuard(self.loops.release)
@@ -291,17 +292,18 @@ class Engine:
     def _remember_kinds(self, groups: dict[tuple[Any, ...], list[Item]]) -> None:
         """Per model of this batch: its rows' most choice tokens where they all scored on the static loop (what
         its next take is sized for, `capacity`), else nothing."""
-        generating = {it.job.model for key, items in groups.items() if key[1] != "choices" for it in items}
         scored: dict[str, int] = {}
+        other: set[str] = set()  # models with rows that generate, or score on HF's path
         for key, items in groups.items():
-            if key[1] == "choices" and key[0] in self.decoders:
-                for it in items:
+            on_loop = key[1] == "choices" and key[0] in self.decoders
+            for it in items:
+                if on_loop:
                     scored[it.job.model] = max(scored.get(it.job.model, 0), self.choices.count(it.job))
-        for model in {it.job.model for items in groups.values() for it in items}:
-            if model in scored and model not in generating:
-                self._scored_tokens[model] = scored[model]
-            else:
-                self._scored_tokens.pop(model, None)
+                else:
+                    other.add(it.job.model)
+        for model in other:
+            self._scored_tokens.pop(model, None)
+        self._scored_tokens.update({m: tokens for m, tokens in scored.items() if m not in other})
 
     def _log_take(self, chunk: list[Item], scoring: bool) -> None:
         """CUDA: a sub-batch's allocator peak beside the cap (see `MemoryBudget.take_peak`)."""

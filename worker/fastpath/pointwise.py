@@ -167,12 +167,10 @@ def specialisation(arg: Any) -> Any:
     alignment (its sizes and strides are `do_not_specialize`); an integer's width (i32 or i64, by its value);
     other values' type. Exact type checks first: this runs for every argument of every launch."""
     kind = type(arg)
-    if kind is int:
+    if kind is int or (kind is not bool and isinstance(arg, int)):
         return int, -(2**31) <= arg < 2**31
-    if kind is torch.Tensor or isinstance(arg, torch.Tensor):
+    if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.device.index, arg.data_ptr() % 16 == 0
-    if isinstance(arg, int) and not isinstance(arg, bool):
-        return int, -(2**31) <= arg < 2**31
     return kind
 
 
