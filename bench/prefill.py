@@ -8,7 +8,7 @@ workload, a warm-up run and `--repeats` timed runs of the engine generating one 
 outputs), reported as prompt tokens per second of the median run, beside the engine's phases (`prefill`, or
 `score` for choices; `decode_steps` counts the takes). Workloads: `nightly` (nightly-2000's 128-256-token Laya
 prompts), `long` (Kev prompts cut at the 1,024-token input limit) and `choices` (the nightly prompts with 3
-labels scored: prefill plus the choice pass, which runs the compiled steps in every variant) and `mixed` (the
+labels scored inside the prefill, the choices' steps compiled in every variant) and `mixed` (the
 nightly prompts, every other row Kev: each chunk holds both adapters, their LoRA masked per row). On CUDA each
 run also reports its peak allocation above the start (the reused KV pool not in it: prefill's transients, its
 held hidden states, the first-token logits) beside the held states and the plan's chunk set-aside. One new token a

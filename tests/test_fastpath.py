@@ -328,9 +328,9 @@ def test_an_expected_follow_up_sizes_its_models_take(tiny_models: Path) -> None:
 
 
 def test_after_a_batch_that_only_scored_the_take_is_sized_for_scored_rows(tiny_models: Path) -> None:
-    """A scored row keeps its prompt and choices in the KV pool, not a whole answer: after a batch of only
-    choice rows the take is planned for those (more rows: the cache's length bucket is shorter), until a
-    generating row runs or is expected."""
+    """A row scored inside the prefill keeps no cache, where a generating one keeps its prompt and a whole
+    answer: after a batch of only choice rows the take is planned for those (more rows), until a generating row
+    runs or is expected."""
     engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static", memory_budget_bytes=GIB)
     engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + 48 * MIB  # a plan below the row cap
     scored = [Job(custom_id=f"c{i}", model="kev", prompt="hi", choices=("yes", "no")) for i in range(2)]
@@ -344,7 +344,8 @@ def test_after_a_batch_that_only_scored_the_take_is_sized_for_scored_rows(tiny_m
     run([Job(custom_id="g", model="kev", prompt="hi", max_new_tokens=1)])
     generating = engine.capacity("kev")
     run(scored)
-    assert engine.capacity("kev") == engine.plan("kev", input_tokens=longest, new_tokens=span).max_rows > generating
+    scoring = engine.plan("kev", input_tokens=longest, new_tokens=span, scoring=True).max_rows
+    assert engine.capacity("kev") == scoring > generating
     assert engine.capacity("laya") == engine.plan("laya", input_tokens=256).max_rows  # another model: as it was
     run([*scored, Job(custom_id="g", model="kev", prompt="hi", max_new_tokens=1)])  # both kinds
     assert engine.capacity("kev") == generating

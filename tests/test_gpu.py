@@ -201,3 +201,36 @@ def test_prefill_with_our_norm_kernel_decodes_as_without_it(tiny_models: Path) -
         got = ours.decode(rows, **kw)
         assert torch.equal(got.tokens, want.tokens), adapters
         torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0.05)
+
+
+def test_choice_scores_in_bfloat16_match_a_plain_log_likelihood(tiny_models: Path) -> None:
+    """On the GPU, choices run beside their prompts inside the prefill with our kernels, one adapter's LoRA
+    merged into the weights (Kev alone) or each adapter's masked per row (Kev and Laya mixed), in chunks small
+    enough to split the rows: each choice's log-likelihood is HF's for prompt + choice alone, within bfloat16
+    rounding, and no KV pool is allocated."""
+    from worker.fastpath import ScoreRow
+
+    engine = bf16_engine(tiny_models, "models-bf16-score.toml")
+    (base,), (decoder,) = engine.bases.values(), engine.decoders.values()
+    decoder.release()
+    decoder.prefill.tokens = decoder.prefill.max_tokens = 48
+    labels = (" approve", " reject now", " needs review by the committee")
+    choice_ids = tuple((*base.tokenizer(c).input_ids, 2) for c in labels)
+    for adapters in (["kev"], ["kev", "laya"]):
+        rows = [
+            ScoreRow(
+                ids=base.tokenizer(p).input_ids, choices=choice_ids[: 1 + i % 3], adapter=adapters[i % len(adapters)]
+            )
+            for i, p in enumerate(BF16_PROMPTS)
+        ]
+        scored = decoder.score(rows, pad_id=base.tokenizer.pad_token_id)
+        assert scored is not None and decoder.pool.buffer is None
+        assert scored.bad == [False] * len(rows)
+        for row, got in zip(rows, scored.loglik, strict=True):
+            want = []
+            for choice in row.choices:
+                with select_adapters(base, [row.adapter]), torch.inference_mode():
+                    ids = torch.tensor([row.ids + list(choice)], device="cuda")
+                    logp = base.model(input_ids=ids).logits[0].float().log_softmax(-1)
+                want.append(sum(float(logp[len(row.ids) - 1 + i, t]) for i, t in enumerate(choice)))
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0.02, atol=0.15)

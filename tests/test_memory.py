@@ -147,6 +147,37 @@ def test_a_nightly_take_keeps_its_rows_with_a_fixed_group_not_a_per_row_term(hel
     assert grouped.max_rows >= chunk_major.max_rows - fixed_rows
 
 
+def test_rows_scored_in_the_prefill_cost_no_cache_so_a_take_holds_the_row_cap() -> None:
+    """Choice rows scored inside the loop's prefill (Laya-like prompts up to 434 tokens, 9 choice tokens, 6 GiB
+    with a 1,300 MiB KV pool resident): generation-sized plans give them a few hundred rows at most; scored in
+    the prefill a row costs its picked log-probabilities and a share of one group's held states, so the take is
+    the row cap -- and a budget that leaves no room for the chunk and a group plans none."""
+    shape = ModelShape.from_dict(QWEN_1_5B)
+    resident = shape.weight_bytes(quantized=True, double_quant=True) + 1300 * MIB
+    common = {
+        "resident_bytes": resident,
+        "input_tokens": 434,
+        "new_tokens": 9,
+        "max_rows_cap": 1024,
+        "prefill_chunk_tokens": 4096,
+        "cache_tokens": length_bucket(434 + 9),
+        "flash_prefill": True,
+        "prefill_group_tokens": GROUP_TOKENS,
+        "choice_chunk_rows": 32,
+    }
+    cached = plan_batch(shape, budget_bytes=6 * GIB, **common)
+    scored = plan_batch(shape, budget_bytes=6 * GIB, **common, scored_in_prefill=True)
+    assert cached.max_rows < 400 and scored.max_rows == 1024
+    assert scored.take_bytes(1024) <= scored.free_bytes and scored.kv_row_bytes == 0
+    # The group's held states, bounded at a choice token's dearer figure (its mask over the row's tokens).
+    assert scored.held_cap_bytes == GROUP_TOKENS * shape.choice_held_bytes_per_token(434 + 9)
+    tight = plan_batch(shape, budget_bytes=6 * GIB - scored.free_bytes + scored.held_cap_bytes // 2, **common,
+                       scored_in_prefill=True)  # fmt: skip
+    assert 0 < tight.max_rows < 1024 and tight.take_bytes(tight.max_rows) <= tight.free_bytes
+    none = plan_batch(shape, budget_bytes=6 * GIB - scored.free_bytes - 1, **common, scored_in_prefill=True)
+    assert none.max_rows == 0
+
+
 def test_memory_command_prints_the_seed_table_estimated_on_cpu(tiny_models) -> None:
     from click.testing import CliRunner
 

@@ -44,6 +44,47 @@ def test_no_plan_passes_a_small_budget(engine: Engine, spare_mib: int) -> None:
         engine.memory.total_bytes = None
 
 
+@pytest.mark.parametrize("spare_mib", [0, 1, 3, 8, 40])
+def test_no_scoring_plan_passes_a_small_budget(engine: Engine, spare_mib: int) -> None:
+    """Rows scored inside the prefill, across prompt and choice lengths: a take of the planned rows stays inside
+    the budget left after what is resident and the reserve (none where the chunk and a group do not fit)."""
+    engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + spare_mib * MIB
+    try:
+        for inputs in (1, 7, 64, 300, 512):
+            for choices in (1, 12, 48):
+                plan = engine.plan("laya", input_tokens=inputs, new_tokens=choices, scoring=True)
+                left = engine.memory.total_bytes - engine.memory.resident_bytes - RESERVE_BYTES
+                assert plan.free_bytes <= left
+                assert plan.take_bytes(plan.max_rows) <= max(0, plan.free_bytes), (inputs, choices)
+                if spare_mib == 0:
+                    assert plan.max_rows == 0
+    finally:
+        engine.memory.total_bytes = None
+
+
+@pytest.mark.parametrize(("chunk_tokens", "group_tokens"), [(None, None), (64, 160)])
+def test_a_scoring_plan_sets_aside_what_its_groups_hold(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, chunk_tokens: int | None, group_tokens: int | None
+) -> None:
+    """Rows scored inside the prefill hold their prompts' and choices' states (and the choices' masks and
+    indices) while their group runs: the plan's held figure for the take covers what the prefill measured a
+    group held -- one group, and several small ones."""
+    from worker.fastpath import ScoreRow
+
+    decoder = engine.decoders[engine.config.models["laya"].base]
+    if chunk_tokens is not None:
+        monkeypatch.setattr(decoder.prefill, "tokens", chunk_tokens)
+        monkeypatch.setattr(decoder.prefill, "group_tokens", group_tokens)
+    choices = ((11, 12, 2), (13, 2), (14, 15, 16, 17, 2))
+    rows = [ScoreRow(ids=[5 + i % 7] * (24 + i % 9), choices=choices[: 1 + i % 3], adapter=None) for i in range(20)]
+    plan = engine.plan("laya", input_tokens=32, new_tokens=10, scoring=True)
+    assert plan.max_rows >= len(rows)
+    assert decoder.score(rows, pad_id=0) is not None
+    groups = decoder.prefill.layer_groups(rows, tails=[r.choice_tokens for r in rows])
+    assert (len(groups) == 1) == (chunk_tokens is None)
+    assert 0 < decoder.prefill.held_bytes <= min(plan.held_cap_bytes, len(rows) * plan.held_row_bytes)
+
+
 @pytest.mark.parametrize(("chunk_tokens", "group_tokens"), [(None, None), (256, 512)])
 def test_the_plan_sets_aside_what_the_layer_major_prefill_holds(
     engine: Engine, monkeypatch: pytest.MonkeyPatch, chunk_tokens: int | None, group_tokens: int | None

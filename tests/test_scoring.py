@@ -1,4 +1,4 @@
-"""Choice scoring on the static loop: each prompt encoded once, every choice scored against its cached K/V."""
+"""Choice scoring on the static loop: each prompt encoded once, its choices run beside it inside the prefill."""
 
 from __future__ import annotations
 
@@ -42,11 +42,12 @@ def test_choice_scores_equal_a_plain_log_likelihood(engine: Engine) -> None:
     items = [engine.encoder.encode(job, index=i) for i, job in enumerate(jobs)]
     rows = [ScoreRow(ids=it.ids, choices=engine.choices.ids(it.job), adapter=it.adapter) for it in items]
     assert len({len(r.ids) for r in rows}) > 2 and len({c for r in rows for c in map(len, r.choices)}) > 2
-    decoder.prefill.tokens = 40  # several prefill and continuation chunks
+    decoder.prefill.tokens = 40  # several prefill chunks
     try:
-        scored = decoder.score(rows, pad_id=base.tokenizer.pad_token_id, select=lambda n: select_adapters(base, n))
+        scored = decoder.score(rows, pad_id=base.tokenizer.pad_token_id)
     finally:
         decoder.prefill.tokens = 4096
+    assert scored is not None
     assert scored.bad == [False] * len(rows)
     for job, row, got in zip(jobs, rows, scored.loglik, strict=True):
         want = [reference(engine, job.model, row.ids, c) for c in row.choices]
@@ -106,52 +107,110 @@ def test_a_generated_decision_is_read_as_the_label_it_names() -> None:
     assert as_label(RowOutput(decision=None), labels).decision is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_first_token_logprobs_are_the_same_in_chunks_of_any_size(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
-) -> None:
-    """The first choice tokens' log-probabilities are taken a chunk of rows at a time (no float32 copy of a whole
-    take's logits): across chunk boundaries, with rows of different choice counts, they equal one log-softmax of
-    every row's logits in float32."""
+def scored_rows(engine: Engine, count: int) -> list[ScoreRow]:
+    jobs = [
+        Job(custom_id=str(i), model=("kev", "laya")[i % 2], prompt=PROMPTS[i % 5], choices=CHOICES[: 1 + i % 4])
+        for i in range(count)
+    ]
+    items = [engine.encoder.encode(job, index=i) for i, job in enumerate(jobs)]
+    return [ScoreRow(ids=it.ids, choices=engine.choices.ids(it.job), adapter=it.adapter) for it in items]
+
+
+def test_scores_are_the_same_whatever_the_head_slices(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LM head runs a slice of rows (first tokens) and of positions (later tokens) at a time, and the picked
+    log-probabilities come back in one read: slices of any size give every choice the same sum (a slip in the
+    bookkeeping would give a choice another's tokens)."""
     from worker.fastpath import scoring
 
-    generator = torch.Generator().manual_seed(3)
-    logits = (torch.randn(7, 50, generator=generator) * 4).to(dtype)
-    rows = [ScoreRow(ids=[1], choices=tuple((c % 50 + r, 2) for c in range(1 + r % 3)), adapter=None) for r in range(7)]
-    whole = logits.float().log_softmax(dim=-1)
-    want = [whole[r, c[0]].item() for r, row in enumerate(rows) for c in row.choices]
-    for chunk in (1, 2, 3, 32):
-        monkeypatch.setattr(scoring, "CHOICE_CHUNK_ROWS", chunk)
-        assert scoring.first_token_logprobs(logits, rows).tolist() == want
+    decoder = engine.decoders["default"]
+    pad_id = engine.base_for("kev").tokenizer.pad_token_id
+    rows = scored_rows(engine, 9)
+    whole = decoder.score(rows, pad_id=pad_id)
+    assert whole is not None
+    for first, later in ((1, 1), (2, 3), (5, 128)):
+        monkeypatch.setattr(scoring, "CHOICE_CHUNK_ROWS", first)
+        monkeypatch.setattr(scoring, "LOGIT_ROWS", later)
+        got = decoder.score(rows, pad_id=pad_id)
+        assert got is not None
+        for want_row, got_row in zip(whole.loglik, got.loglik, strict=True):
+            assert got_row == pytest.approx(want_row, abs=1e-5)
 
 
-def reference_layout(rows: list[ScoreRow], width: int, span: int) -> tuple[torch.Tensor, ...]:
-    """The layout token by token, as the loop first built it: tokens, positions, mask, and the scored
-    (row, column, target, owner) of each position."""
+def test_scoring_needs_no_kv_pool_and_leaves_the_loops_state_alone(engine: Engine) -> None:
+    """Scored rows keep nothing in a cache: a scoring take allocates no KV pool, and after a generation take
+    the pool it left (and the graphs' state over it) is the same buffer afterwards."""
+    decoder = engine.decoders["default"]
+    decoder.release()
+    pad_id = engine.base_for("kev").tokenizer.pad_token_id
+    assert decoder.score(scored_rows(engine, 5), pad_id=pad_id) is not None
+    assert decoder.pool.buffer is None
+    engine.run([Job(custom_id="g", model="laya", prompt="Approve?", max_new_tokens=3)])
+    pool = decoder.pool.buffer
+    assert pool is not None
+    assert decoder.score(scored_rows(engine, 5), pad_id=pad_id) is not None
+    assert decoder.pool.buffer is pool
+
+
+def test_a_chunk_counts_its_rows_choices_among_its_tokens(engine: Engine) -> None:
+    """Short prompts with long choices: each prefill chunk's padded prompts and padded choices together stay
+    within the chunk's tokens (a chunk of a single row excepted), and so do each layer-major group's padded
+    choices (a group of a single chunk excepted), so the choices' activations are within what the planner sets
+    aside for a chunk."""
+    from worker.fastpath.prefill import Prefill
+
+    prefill: Prefill = engine.decoders["default"].prefill
+    rows = [ScoreRow(ids=[5] * (3 + i % 7), choices=((6,) * (1 + i % 11), (7, 8)), adapter=None) for i in range(40)]
+    tails = [r.choice_tokens for r in rows]
+    for limit in (16, 40, 100):
+        chunks = prefill.chunk_rows(rows, limit, tails)
+        assert sorted(i for c in chunks for i in c) == list(range(len(rows)))
+        for chunk in chunks:
+            padded = len(chunk) * (max(len(rows[i].ids) for i in chunk) + max(tails[i] for i in chunk))
+            assert padded <= limit or len(chunk) == 1
+        # A group's tail (its rows' choices, padded to its longest) runs in a chunk's activations too.
+        groups = prefill.layer_groups(rows, limit, tails)
+        assert [c for g in groups for c in g] == chunks
+        for group in groups:
+            members = [i for c in group for i in c]
+            assert len(members) * max(tails[i] for i in members) <= limit or len(group) == 1
+
+
+def reference_layout(rows: list[ScoreRow], span: int) -> tuple[torch.Tensor, ...]:
+    """A chunk's choice layout token by token: tokens, positions, mask over the prompt (each row's real tokens
+    first, right-padded to `span`) and the choices, each choice's first token, and the later scored (row,
+    column, target, owner) of each position."""
     n = len(rows)
-    tokens = torch.zeros((n, span), dtype=torch.long)
-    positions = torch.zeros((n, span), dtype=torch.long)
-    mask = torch.zeros((n, span, width + span), dtype=torch.bool)
+    width = max(r.choice_tokens for r in rows)
+    tokens = torch.zeros((n, width), dtype=torch.long)
+    positions = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width, span + width), dtype=torch.bool)
+    heads: list[tuple[int, int, int, int]] = []
     scored: list[tuple[int, int, int, int, int]] = []
     for r, row in enumerate(rows):
         prompt = len(row.ids)
-        mask[r, :, width - prompt : width] = True
+        mask[r, :, :prompt] = True
         start = 0
         for c, choice in enumerate(row.choices):
             m = len(choice)
             tokens[r, start : start + m] = torch.tensor(choice)
             positions[r, start : start + m] = torch.arange(prompt, prompt + m)
-            mask[r, start : start + m, width + start : width + start + m] = torch.ones(m, m, dtype=torch.bool).tril()
-            scored += [(r, start + o, choice[o + 1], r, c) for o in range(m - 1)]
+            mask[r, start : start + m, span + start : span + start + m] = torch.ones(m, m, dtype=torch.bool).tril()
+            heads.append((choice[0], r, 10 * r, c))
+            scored += [(r, start + o, choice[o + 1], 10 * r, c) for o in range(m - 1)]
             start += m
-        mask[r, start:, width - 1] = True
-    return tokens, positions, mask, torch.tensor(scored, dtype=torch.long).reshape(-1, 5)
+    return (
+        tokens,
+        positions,
+        mask,
+        torch.tensor(heads, dtype=torch.long).reshape(-1, 4),
+        torch.tensor(scored, dtype=torch.long).reshape(-1, 5),
+    )
 
 
 def test_the_choice_layout_built_at_once_is_the_token_by_token_one() -> None:
-    """`layout` (numpy, a part at a time) against the loop it replaced, on rows of different prompt lengths,
-    choice counts and choice lengths (single-token choices score nothing past their first token)."""
-    from worker.fastpath.scoring import layout
+    """`tail_layout` (numpy, a chunk at a time) against the token-by-token reference, on rows of different prompt
+    lengths, choice counts and choice lengths (single-token choices score nothing past their first token)."""
+    from worker.fastpath.scoring import tail_layout
 
     generator = torch.Generator().manual_seed(11)
     for trial in range(20):
@@ -163,13 +222,14 @@ def test_the_choice_layout_built_at_once_is_the_token_by_token_one() -> None:
                 for _ in range(int(torch.randint(1, 4, (1,), generator=generator)))
             )
             rows.append(ScoreRow(ids=[7] * prompt, choices=choices, adapter=None))
-        width = max(len(r.ids) for r in rows) + trial % 3
-        span = max(r.choice_tokens for r in rows) + trial % 2
-        host = layout(rows, width, span)
-        tokens, positions, mask, scored = reference_layout(rows, width, span)
+        span = max(len(r.ids) for r in rows) + trial % 3
+        host = tail_layout(rows, [10 * r for r in range(len(rows))], span)
+        tokens, positions, mask, heads, scored = reference_layout(rows, span)
         assert torch.equal(torch.from_numpy(host.tokens), tokens)
         assert torch.equal(torch.from_numpy(host.positions), positions)
         assert torch.equal(torch.from_numpy(host.mask), mask)
+        got_heads = [(t, r, *o) for t, r, o in zip(host.heads, host.head_rows, host.head_owners, strict=True)]
+        assert got_heads == [tuple(x) for x in heads.tolist()]
         fields = zip(host.rows, host.columns, host.targets, host.owners, strict=True)
         got = [(r, c, t, *owner) for r, c, t, owner in fields]
         assert got == [tuple(x) for x in scored.tolist()]

@@ -94,7 +94,7 @@ class Engine:
         self.phase_s: Counter[str] = Counter()  # seconds spent encoding prompts and building outputs
         self._longest_prompt: dict[str, int] = {}  # per model, in its last batch: sizes the worker's take
         # Per model on the static loop whose last batch only scored choices: its rows' most choice tokens (a
-        # scored row keeps its prompt and choices in the KV pool, not its prompt and a whole answer).
+        # row scored inside the loop's prefill needs no cache, unlike one that generates).
         self._scored_tokens: dict[str, int] = {}
         # Per model: the take size last logged, its prompts and its scored rows' choice tokens (None: generation).
         self._logged_takes: dict[str, tuple[int, int, int | None]] = {}
@@ -143,10 +143,12 @@ class Engine:
         logprob_rows: int = 0,
         may_release: bool = True,
         rows_wanted: int | None = None,
+        scoring: bool = False,
     ) -> BatchPlan:
         """How many rows of this model fit the memory budget (default: its full input and output limits), with
         `sampled_rows` of them sampled (their draws need memory of their own) and `logprob_rows` reporting
-        log-probabilities (their choice converts every row's logits to float32 at once).
+        log-probabilities (their choice converts every row's logits to float32 at once); with `scoring`, rows
+        scoring `new_tokens` choice tokens inside the loop's prefill (no cache of their own).
 
         A take the loop's KV pool holds reuses it, so it is planned beside the pool and graphs as they are. Where
         releasing them would plan more than `RELEASE_GAIN` times the rows (a pool sized for another model's
@@ -167,6 +169,7 @@ class Engine:
                 decoder=decoder,
                 released=released,
                 logprob_rows=logprob_rows,
+                scoring=scoring,
             )
 
         planned = plan()
@@ -189,17 +192,18 @@ class Engine:
     def capacity(self, model: str) -> int:
         """How many jobs the worker takes per batch: the plan for typical prompts, or for the longest prompt
         of this model's last batch when that was longer; rows that score choices where its last batch only
-        scored (a scored row's KV holds its choices, not a whole answer: ~200 rows at Laya's longest prompts
-        where generation plans 176). `run` packs the rows by their real lengths and kinds into sub-batches that
-        fit, so a take of long prompts or of other rows is still safe; sizing the take by what was seen keeps it
-        from being split (each sub-batch decodes as many steps as its longest answer)."""
+        scored (scored inside the loop's prefill, a row needs no cache: a take of `max_batch_rows` where
+        generation plans ~176 at Laya's longest prompts). `run` packs the rows by their real lengths and kinds
+        into sub-batches that fit, so a take of long prompts or of other rows is still safe; sizing the take by
+        what was seen keeps it from being split (each sub-batch decodes as many steps as its longest answer)."""
         seen = max(TYPICAL_INPUT_TOKENS, self._longest_prompt.get(model, 0))
         typical = min(self.config.models[model].max_input_tokens, seen)
         scored = self._scored_tokens.get(model)
         self.loops.drop_idle(GRAPH_IDLE_S, min_rows=GRAPH_DROP_ROWS)
         self.refresh_memory()
         # A look: the take may be the other model's.
-        plan = self.plan(model, input_tokens=typical, new_tokens=scored, may_release=False)
+        on_loop = scored is not None and self._scores_on_loop(model)
+        plan = self.plan(model, input_tokens=typical, new_tokens=scored, may_release=False, scoring=on_loop)
         if self._logged_takes.get(model) != (plan.max_rows, typical, scored):
             self._logged_takes[model] = (plan.max_rows, typical, scored)
             # An operator's answer to "why this take size": what the budget left and what a row costs.
@@ -273,7 +277,7 @@ class Engine:
         for key, items in groups.items():
             scoring = key[1] == "choices"
             fn = self._score if scoring else self._generate
-            on_loop = key[0] in self.decoders
+            on_loop = key[0] in self.decoders and (not scoring or self.decoders[key[0]].own_prefill)
             for chunk in pack(
                 items, scoring=scoring, on_loop=on_loop, plan=self.plan, choice_tokens=self.choices.count
             ):
@@ -288,6 +292,11 @@ class Engine:
                 self.refresh_memory()  # the next sub-batch is planned beside the pool and graphs this one left
         done = [o if o is not None else RowOutput.failed(INTERNAL, "no output produced") for o in outputs]
         return [self._calibrated(job, out) for job, out in zip(jobs, done, strict=True)]
+
+    def _scores_on_loop(self, model: str) -> bool:
+        """Whether this model's choice rows are scored inside its static loop's own prefill."""
+        decoder = self.decoders.get(self.config.models[model].base)
+        return decoder is not None and decoder.own_prefill
 
     def _remember_kinds(self, groups: dict[tuple[Any, ...], list[Item]]) -> None:
         """Per model of this batch: its rows' most choice tokens where they all scored on the static loop (what

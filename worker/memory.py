@@ -35,6 +35,9 @@ PREFILL_MARGIN = 1.15
 # A decode graph's own per-row buffers over its cache length (worker/fastpath/graphs.py State): the chosen
 # tokens (int64), their log-probabilities (float32) and the attention mask (bool).
 STATE_BYTES_PER_CACHE_TOKEN = 8 + 4 + 1
+# A scored choice token's log-probability, held on the device until the take's one read-back (float32): what a
+# row scored inside the prefill keeps past its group.
+PICKED_BYTES_PER_TOKEN = 4
 # The first token's choice for a take with logprob rows, per row and vocabulary entry: the logits' float32 copy,
 # their log-softmax and the finiteness flags.
 FIRST_CHOICE_BYTES_PER_VOCAB = 4 + 4 + 1
@@ -110,6 +113,16 @@ class ModelShape:
         int64). Held across layers, but only for one group at a time: 6,160 bytes for a Qwen2.5-1.5B shape in
         bfloat16, ~192 MiB for a group of 32,768 tokens."""
         return 2 * self.hidden * dtype_bytes + 2 * 8
+
+    def choice_held_bytes_per_token(self, row_tokens: int, dtype_bytes: int = 2) -> int:
+        """What a choice token scored inside the prefill (worker/fastpath/scoring.py) holds while its group goes
+        through the layers: a prompt token's held states, its attention mask over its row's `row_tokens` (prompt
+        and choices; a byte each, for every query head of its KV head), its rotary cos and sin, its int64
+        token, position and scoring indices, and a token's K/V of one layer (the group's prompts' are kept for
+        the tail, which runs after them: bounded here at the dearer figure of a choice token)."""
+        mask = self.heads // self.kv_heads * row_tokens
+        kv = 2 * self.kv_heads * self.head_dim * dtype_bytes
+        return self.prefill_held_bytes_per_token(dtype_bytes) + mask + 2 * self.head_dim * dtype_bytes + 5 * 8 + kv
 
     def attention_bytes_per_row(self, input_tokens: int) -> int:
         """Prefill attention scores when SDPA falls back to the math kernel (a padding mask does that):
@@ -238,6 +251,7 @@ def plan_batch(
     graph_rows: int = 0,
     graph_row_slack: float = 1.0,
     logprob_rows: int = 0,
+    scored_in_prefill: bool = False,
 ) -> BatchPlan:
     """The largest number of rows of `input_tokens + new_tokens` that fits in what the budget leaves.
 
@@ -262,7 +276,12 @@ def plan_batch(
     takes beside a large pool to a third (64 rows where 156 fit, on the H200). A take with logprob rows gets no
     such credit (its step converts every row's logits to float32, more than a chunked step's pool holds).
     `graph_row_slack`: a captured graph of up to this many times a take's rows may serve it (its extra rows
-    idle along, their first-token logits allocated too)."""
+    idle along, their first-token logits allocated too).
+    `scored_in_prefill`: rows whose `new_tokens` choice tokens are scored inside the loop's own prefill
+    (worker/fastpath/scoring.py): no cache, no decode step, no logits held for the take -- a group's tail (at
+    most a chunk's tokens) runs after its chunks in a chunk's activations, and its LM head after the group's
+    layers, in the same set-aside -- only the group's held states (prompts, their K/V of a layer, and choices)
+    and each row's picked log-probabilities."""
     free = budget_bytes - resident_bytes - reserve_bytes
     # Sampled rows draw in a fixed number of slots (not per row of the batch): a fixed cost, with the margin.
     free -= int(sampler_slots * shape.sampling_bytes_per_slot() * SAFETY_FACTOR)
@@ -286,6 +305,24 @@ def plan_batch(
             per_token = shape.prefill_held_bytes_per_token(dtype_bytes)
             held_row = input_tokens * per_token
             held_cap = max(prefill_group_tokens, prefill_chunk_tokens, input_tokens) * per_token
+            if scored_in_prefill:
+                # Its rows' choices are held beside their prompts (whose K/V of a layer wait for them), and a
+                # group counts them among its tokens: bounded at the dearer choice token's figure.
+                row_tokens = input_tokens + new_tokens
+                choice = shape.choice_held_bytes_per_token(row_tokens, dtype_bytes)
+                held_row += input_tokens * 2 * shape.kv_heads * shape.head_dim * dtype_bytes + new_tokens * choice
+                held_cap = max(prefill_group_tokens, prefill_chunk_tokens, row_tokens) * choice
+        if scored_in_prefill:
+            plan = BatchPlan(
+                max_rows=0,
+                kv_bytes_per_token=kv,
+                bytes_per_row=new_tokens * PICKED_BYTES_PER_TOKEN,
+                free_bytes=int(free),
+                kv_pool_bytes=kv_pool_bytes,
+                held_row_bytes=held_row,
+                held_cap_bytes=held_cap,
+            )
+            return replace(plan, max_rows=most_rows(plan, max_rows_cap))
         # The loop allocates its cache exactly (rows x cache_tokens), and the first-token logits the prefill
         # hands over in the compute dtype -- for the rows of the graph that serves the take, up to
         # `graph_row_slack` x its own: no margin on those, only on the estimated decode temporaries.

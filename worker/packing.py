@@ -47,9 +47,9 @@ def pack(
     def fitting(longest: int, span: int, new: int, draws: int, reporting: int, per_item: int, **kw: Any) -> int:
         """The rows the plan lets a sub-batch of these figures hold."""
         if on_loop:
-            # The loop scores a row's choices after its prompt, in the KV pool: planned as a row of the
-            # prompt plus all its choices' tokens (the prompt once, not once per choice).
-            return plan(model, input_tokens=longest, new_tokens=span, **kw).max_rows
+            # The loop scores a row's choices beside its prompt inside its prefill: planned as a row of the
+            # prompt plus all its choices' tokens (the prompt once, not once per choice), with no cache.
+            return plan(model, input_tokens=longest, new_tokens=span, scoring=True, **kw).max_rows
         if scoring:
             return plan(model, input_tokens=longest + 8, new_tokens=0).max_rows // per_item
         return plan(

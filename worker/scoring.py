@@ -1,5 +1,5 @@
 """Choice scoring: each choice's log-likelihood (its tokens + end-of-answer) after the prompt -- on the static
-loop (the prompt encoded once, each choice against its cached K/V), else one padded HF forward pass.
+loop (the prompt encoded once, the choices run beside it in its prefill), else one padded HF forward pass.
 
 Confidence (documented in the README): the normalised probability of the best choice, from each choice's full
 log-likelihood.
@@ -50,10 +50,15 @@ class ChoiceTokens:
         return sum(len(c) for c in self.ids(job))
 
 
-def score_static(call: BaseCall, decoder: StaticDecoder, items: list[Item], choices: ChoiceTokens) -> list[RowOutput]:
+def score_static(
+    call: BaseCall, decoder: StaticDecoder, items: list[Item], choices: ChoiceTokens
+) -> list[RowOutput] | None:
+    """The rows scored inside the static loop's prefill; None where its own prefill is off (`score_eager`)."""
     rows = [ScoreRow(ids=it.ids, choices=choices.ids(it.job), adapter=it.adapter) for it in items]
     call.fault("score", len(items))
-    scored = decoder.score(rows, pad_id=call.base.tokenizer.pad_token_id, select=call.adapters)
+    scored = decoder.score(rows, pad_id=call.base.tokenizer.pad_token_id)
+    if scored is None:
+        return None
     outputs = []
     for item, loglik, bad in zip(items, scored.loglik, scored.bad, strict=True):
         scores = torch.tensor(loglik, dtype=torch.float64)

@@ -145,11 +145,11 @@ def warm_up(
                 batch = [DecodeRow(ids=[token] * width, max_new=2, adapter=names[i % len(names)]) for i in range(n)]
                 decoder.decode(batch, stop_ids=stops, pad_id=pad_id, select=select)
             if len(names) == 1:
-                # Choice scoring's own kernels (each choice's tokens against the prompt's cache): the first take
-                # of choice jobs spent 1.7 s where the next ones spent ~0.5 s on the H200.
+                # Choice scoring's own kernels (each choice's tokens beside its prompt in the prefill): the first
+                # take of choice jobs spent 1.7 s where the next ones spent ~0.5 s on the H200.
                 choices = ((token, token), (token, token, token))
                 scored = [ScoreRow(ids=[token] * 29, choices=choices, adapter=names[0]) for _ in range(3)]
-                decoder.score(scored, pad_id=pad_id, select=select)
+                decoder.score(scored, pad_id=pad_id)
         decoder.release()
         decoder.phase_s.clear()
     if device.type == "cuda":

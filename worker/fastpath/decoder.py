@@ -54,10 +54,10 @@ from worker.fastpath.graphs import (
     row_bucket,
 )
 from worker.fastpath.logprobs import RowLogprobs
-from worker.fastpath.ops import DEFAULT_OPS, OpsOptions, prefill_attention
+from worker.fastpath.ops import DEFAULT_OPS, OpsOptions
 from worker.fastpath.prefill import DEFAULT_GROUP_TOKENS, AdapterSelect, Prefill, adapter_mask
 from worker.fastpath.sampling import Sampling, draw_rows, greedy_choice, token_choice
-from worker.fastpath.scoring import Scored, ScoreRow, score_choices
+from worker.fastpath.scoring import Scored, ScoreRow, score_in_prefill
 from worker.fastpath.weights import Masks, Stack
 
 log = logging.getLogger("kevlaya.fastpath")
@@ -356,28 +356,12 @@ class StaticDecoder:
         return result
 
     @torch.inference_mode()
-    def score(self, rows: Sequence[ScoreRow], *, pad_id: int, select: AdapterSelect) -> Scored:
-        """Each row's choices scored by log-likelihood after its prompt: the prompt prefilled once into the KV
-        pool (the same pool decoding uses: a take holding both kinds of rows releases nothing), then every
-        choice of the row against that cache (see `scoring`)."""
+    def score(self, rows: Sequence[ScoreRow], *, pad_id: int) -> Scored | None:
+        """Each row's choices scored by log-likelihood after its prompt, inside the loop's own prefill (see
+        `scoring`): no KV pool, so a take holding both kinds of rows releases nothing. None where the loop's
+        own prefill is off: HF's forward passes score them."""
         started = time.perf_counter()
-        width = max(len(r.ids) for r in rows)
-        span = max(r.choice_tokens for r in rows)
-        kv = self._kv_views(len(rows), length_bucket(width + span))
-        for k, v in kv:
-            k.zero_()  # padding slots must not hold NaNs (a masked slot weighs 0, but 0 x NaN is NaN)
-            v.zero_()
-        first = self.prefill.run(kv, rows, width=width, out_rows=len(rows), pad_id=pad_id, select=select)
-        with prefill_attention(self.device):  # not cuDNN: it plans anew for every (rows, length) shape
-            scored = score_choices(
-                self.stack,
-                kv,
-                rows,
-                first,
-                width=width,
-                chunk_tokens=self.prefill.tokens,
-                merge_lora=self.prefill.merge_lora,
-            )
+        scored = score_in_prefill(self.prefill, rows, pad_id=pad_id)
         self.phase_s["score"] += time.perf_counter() - started
         return scored
 

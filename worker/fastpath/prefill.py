@@ -15,6 +15,11 @@ norm) are held between layers. Bounding them by a group, not the whole take, cap
 (`ModelShape.prefill_held_bytes_per_token` per padded token, up to one group; a smaller take only its own):
 planned per row past a group, they cost nightly-like takes ~12% of their rows. Should the loop's
 own prefill ever fail on a device, the model's own forward takes over from then on (with a log line).
+
+A group may carry a tail (`Tail`): tokens its rows run after their prompts, through each layer once the group's
+chunks went through it, on the same dequantised weights, reading each chunk's prompt K/V as the layer made them
+-- choice scoring's choices (worker/fastpath/scoring.py), which then need no cache at all. One tail a group, not
+one a chunk: its few tokens a row cost a layer step's launches (~13, each host time) whatever their number.
 """
 
 from __future__ import annotations
@@ -171,6 +176,57 @@ class Hidden:
 
 
 @dataclass(frozen=True)
+class PromptKV:
+    """A chunk's prompt keys and values as a layer made them: (rows, kv_heads, span, head_dim), each row's real
+    tokens first."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Step:
+    """A chunk's way through one layer: its hidden states after it, and the prompt K/V it made there."""
+
+    hidden: Hidden
+    kv: PromptKV
+
+
+class Tail(Protocol):
+    """Tokens a group's rows run after their prompts, through every layer after the group's chunks and on the
+    same weights: choice scoring's choices (worker/fastpath/scoring.py). Their queries read the prompts' K/V as
+    the layer made them, so nothing is cached: a take's rows need no KV pool. Its rows are the group's chunks'
+    rows, chunk after chunk."""
+
+    @property
+    def masks(self) -> Masks:
+        """Its rows' LoRA selection, for weights without a LoRA merged (`row_masks`)."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """What the tail's own tensors hold on the device while its group runs (beside its hidden states)."""
+        ...
+
+    def embedded(self) -> Hidden:
+        """The tail's hidden states entering the first layer."""
+        ...
+
+    def layer(self, i: int, layer: Layer, held: Hidden, kv: Sequence[PromptKV], weights: Dense, masks: Masks) -> Hidden:
+        """The tail through layer `i`, beside each chunk's prompt keys and values there (`kv`, in chunk order)."""
+        ...
+
+    def finish(self, held: Hidden, last: torch.Tensor) -> None:
+        """After the last layer: the tail's final hidden states, and `last`, each row's last prompt token's
+        (the group's rows in the tail's order)."""
+        ...
+
+
+# A group's tail, from its chunks' rows (indices into the take) and each chunk's padded prompt length.
+TailFor = Callable[[list[list[int]], list[int]], Tail]
+
+
+@dataclass(frozen=True)
 class Rotary:
     """A chunk's cos and sin, computed once for all its layers: its rows are right-padded, every one at
     positions 0 .. span - 1, so one row of positions serves them all (broadcast)."""
@@ -200,18 +256,25 @@ class Passes:
                 plain.append(j)
         return cls(plain=tuple(plain), merged={a: tuple(js) for a, js in sorted(merged.items())})
 
-    def weights(self, layer: Layer, chunks: Sequence[Chunk]) -> Iterator[tuple[int, Dense, Masks]]:
-        """(chunk, weights, LoRA masks) for every chunk through `layer`, its weights dequantised once: the plain
-        chunks first, then each adapter's chunks on the weights with its LoRA merged -- a copy for all but the
-        last adapter, which merges into the dequantised buffers themselves, no longer needed plain. An adapter
-        the layer cannot merge (no ready weights, PEFT's float32 arithmetic kept) runs its chunks plain."""
-        dense = layer.dense()
+    @property
+    def single(self) -> bool:
+        """Whether every chunk runs on one adapter's merged weights (nothing needs the plain ones after them)."""
+        return not self.plain and len(self.merged) == 1
+
+    def weights(
+        self, layer: Layer, chunks: Sequence[Chunk], dense: Dense, *, keep_plain: bool = False
+    ) -> Iterator[tuple[int, Dense, Masks]]:
+        """(chunk, weights, LoRA masks) for every chunk through `layer`, on its weights `dense` (dequantised
+        once): the plain chunks first, then each adapter's chunks on the weights with its LoRA merged -- a copy
+        for all but the last adapter, which merges into the dequantised buffers themselves, no longer needed
+        plain (unless `keep_plain`). An adapter the layer cannot merge (no ready weights, PEFT's float32
+        arithmetic kept) runs its chunks plain."""
         adapters = [a for a in self.merged if layer.mergeable(dense, a)]
         plain = sorted(self.plain + tuple(j for a, js in self.merged.items() if a not in adapters for j in js))
         for j in plain:
             yield j, dense, chunks[j].masks
         for n, adapter in enumerate(adapters):
-            merged = layer.merge(dense, adapter, in_place=n == len(adapters) - 1)
+            merged = layer.merge(dense, adapter, in_place=n == len(adapters) - 1 and not keep_plain)
             for j in self.merged[adapter]:
                 yield j, merged, []
 
@@ -302,33 +365,51 @@ class Prefill:
         allowed = self.room(max(self.group_tokens, self.max_tokens))
         return self.tokens if allowed is None else max(self.tokens, min(self.max_tokens, allowed))
 
-    def chunk_rows(self, rows: Sequence[PromptRow], tokens: int | None = None) -> list[list[int]]:
+    def chunk_rows(
+        self, rows: Sequence[PromptRow], tokens: int | None = None, tails: Sequence[int] | None = None
+    ) -> list[list[int]]:
         """Rows grouped by prompt length into chunks of about `tokens` tokens (default: `self.tokens`; each chunk
         its rows' indices, the longest last), each to be right-padded only to its own longest prompt: causal
         attention then needs no mask (a real token never sees the padding after it), so SDPA runs its flash
-        kernel with grouped-query heads as they are."""
+        kernel with grouped-query heads as they are. `tails`: each row's tail tokens (`Tail`), padded to the
+        chunk's longest and counted in its tokens too (a chunk of short prompts with long tails stays within
+        the activations planned for a chunk)."""
         limit = self.tokens if tokens is None else tokens
         lengths = [len(r.ids) for r in rows]
+        extra = tails or [0] * len(rows)
         order = sorted(range(len(rows)), key=lambda i: lengths[i])
         chunks: list[list[int]] = [[]]
-        for i in order:  # ascending: the newcomer is the longest of its chunk
-            if chunks[-1] and (len(chunks[-1]) + 1) * lengths[i] > limit:
+        tail = 0  # the current chunk's longest tail
+        for i in order:  # ascending: the newcomer is the longest prompt of its chunk
+            if chunks[-1] and (len(chunks[-1]) + 1) * (lengths[i] + max(tail, extra[i])) > limit:
                 chunks.append([])
+                tail = 0
             chunks[-1].append(i)
+            tail = max(tail, extra[i])
         return chunks
 
-    def layer_groups(self, rows: Sequence[PromptRow], tokens: int | None = None) -> list[list[list[int]]]:
+    def layer_groups(
+        self, rows: Sequence[PromptRow], tokens: int | None = None, tails: Sequence[int] | None = None
+    ) -> list[list[list[int]]]:
         """The chunks (`chunk_rows`) in groups of consecutive ones holding at most `group_tokens` padded tokens
-        together (a chunk larger than that alone): each group goes through the layers before the next."""
+        together, tails included (a chunk larger than that alone): each group goes through the layers before
+        the next. With `tails`, a group's tail (its rows' tail tokens, padded to its longest) holds at most a
+        chunk's tokens too: it runs through each layer after the group's chunks, in a chunk's activations."""
+        limit = self.tokens if tokens is None else tokens
+        extra = tails or [0] * len(rows)
         groups: list[list[list[int]]] = [[]]
-        held = 0
-        for chunk in self.chunk_rows(rows, tokens):
-            padded = len(chunk) * len(rows[chunk[-1]].ids)
-            if groups[-1] and held + padded > self.group_tokens:
+        held = members = longest_tail = 0
+        for chunk in self.chunk_rows(rows, tokens, tails):
+            tail = max(extra[i] for i in chunk)
+            padded = len(chunk) * (len(rows[chunk[-1]].ids) + tail)
+            tail_tokens = (members + len(chunk)) * max(longest_tail, tail)
+            if groups[-1] and (held + padded > self.group_tokens or (tail and tail_tokens > limit)):
                 groups.append([])
-                held = 0
+                held = members = longest_tail = 0
             groups[-1].append(chunk)
             held += padded
+            members += len(chunk)
+            longest_tail = max(longest_tail, tail)
         return groups
 
     def chunks(self, rows: Sequence[PromptRow], width: int, pad_id: int) -> list[Chunk]:
@@ -336,7 +417,14 @@ class Prefill:
         prompts = Prompts.of([r.ids for r in rows])
         return [self._chunk(prompts, [rows[i] for i in c], c, width, pad_id) for c in self.chunk_rows(rows)]
 
-    def _chunk(self, prompts: Prompts, part: Sequence[PromptRow], members: list[int], width: int, pad_id: int) -> Chunk:
+    def _chunk(
+        self,
+        prompts: Prompts,
+        part: Sequence[PromptRow],
+        members: list[int],
+        width: int,
+        pad_id: int,
+    ) -> Chunk:
         """One chunk's tensors, each built for all its rows at once."""
         s = self.stack
         device = s.device
@@ -364,48 +452,69 @@ class Prefill:
 
     def own_layers(
         self,
-        kv: KV,
+        kv: KV | None,
         rows: Sequence[PromptRow],
         width: int,
         pad_id: int,
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,
         tokens: int | None = None,
+        *,
+        tail_for: TailFor | None = None,
+        tails: Sequence[int] | None = None,
     ) -> None:
         """Every chunk (of about `tokens` prompt tokens; default `self.tokens`) through the decoder layers as HF
         computes them (same modules, same LoRA arithmetic as PEFT), without PEFT's per-module Python or a dynamic
-        cache to copy from: K/V go straight into the static cache. Group by group (`layer_groups`), each group
-        layer by layer, so each layer's 4-bit weights are dequantised once per group and only one group's hidden
-        states are held."""
+        cache to copy from: K/V go straight into the static cache `kv` (None: nowhere, the chunks' tails read
+        them as each layer makes them). Group by group (`layer_groups`), each group layer by layer, so each
+        layer's 4-bit weights are dequantised once per group and only one group's hidden states are held.
+        Each row's first-token logits go into `logits`; with `tail_for`, each group's `Tail` (of `tails` tokens
+        a row) runs beside it and finishes it instead."""
         prompts = Prompts.of([r.ids for r in rows])
         self.held_bytes = 0
         self.last_tokens = self.tokens if tokens is None else tokens
-        for group in self.layer_groups(rows, tokens):
-            self._group(kv, prompts, rows, group, width, pad_id, logits)
+        for group in self.layer_groups(rows, tokens, tails):
+            self._group(kv, prompts, rows, group, width, pad_id, logits, tail_for)
 
     def _group(
         self,
-        kv: KV,
+        kv: KV | None,
         prompts: Prompts,
         rows: Sequence[PromptRow],
         group: list[list[int]],
         width: int,
         pad_id: int,
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,
+        tail_for: TailFor | None,
     ) -> None:
-        """One group's chunks through every layer, then their first-token logits. A function of its own so the
-        group's chunk tensors and hidden states are let go on return, before the next group's are made."""
+        """One group's chunks through every layer, then their first-token logits (or its tail finished). A
+        function of its own so the group's chunk tensors and hidden states are let go on return, before the next
+        group's are made."""
         s = self.stack
         chunks = [self._chunk(prompts, [rows[i] for i in c], c, width, pad_id) for c in group]
+        tail = None if tail_for is None else tail_for(group, [c.ids.shape[1] for c in chunks])
         rotary = [self._rotary(c.ids.shape[1]) for c in chunks]
         hidden = [self._embedded(c) for c in chunks]
+        tail_held = None if tail is None else tail.embedded()
         held = sum(h.nbytes + c.ids.nbytes + c.columns.nbytes for h, c in zip(hidden, chunks, strict=True))
+        if tail is not None and tail_held is not None:
+            # The tail's tensors and states, and the group's prompt K/V of a layer, kept until the tail reads them.
+            kv_bytes = 2 * s.kv_heads * s.head_dim * s.embed.weight.element_size()  # a prompt token's K and V
+            held += tail.nbytes + tail_held.nbytes + sum(c.ids.numel() * kv_bytes for c in chunks)
         self.held_bytes = max(self.held_bytes, held)
         passes = Passes.of(chunks, merge=self.merge_lora)
-        for i, (layer, cache) in enumerate(zip(s.layers, kv, strict=True)):
-            self._through(i, layer, cache, chunks, hidden, passes, rotary)
+        caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None] = kv if kv is not None else [None] * len(s.layers)
+        for i, (layer, cache) in enumerate(zip(s.layers, caches, strict=True)):
+            tail_held = self._through(i, layer, cache, chunks, hidden, passes, rotary, tail, tail_held)
+        lasts = []
         for c, h in zip(chunks, hidden, strict=True):
             last = h.x[torch.arange(c.ids.shape[0], device=s.device), c.last]
-            logits[c.where] = s.head(last)
+            if tail is not None:
+                lasts.append(last)
+            else:
+                assert logits is not None
+                logits[c.where] = s.head(last)
+        if tail is not None and tail_held is not None:
+            tail.finish(tail_held, torch.cat(lasts))
 
     def _embedded(self, c: Chunk) -> Hidden:
         s = self.stack
@@ -422,52 +531,73 @@ class Prefill:
         self,
         i: int,
         layer: Layer,
-        cache: tuple[torch.Tensor, torch.Tensor],
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
         chunks: Sequence[Chunk],
         hidden: list[Hidden],
         passes: Passes,
         rotary: Sequence[Rotary],
-    ) -> None:
-        """Every chunk through layer `i`, its hidden states replaced by the layer's output. A function of its
-        own so the layer's dequantised weights are let go on return, before the next layer's are made (a loop
-        variable would keep them alive meanwhile: a layer's worth of weights more than the planner counts)."""
-        for j, weights, masks in passes.weights(layer, chunks):
-            hidden[j] = self._layer(i, layer, cache, chunks[j], hidden[j], weights, masks, rotary[j])
+        tail: Tail | None = None,
+        tail_held: Hidden | None = None,
+    ) -> Hidden | None:
+        """Every chunk through layer `i`, its hidden states replaced by the layer's output, then the group's tail
+        (if any), whose hidden states after the layer are returned. A function of its own so the layer's
+        dequantised weights are let go on return, before the next layer's are made (a loop variable would keep
+        them alive meanwhile: a layer's worth of weights more than the planner counts)."""
+        dense = layer.dense()
+        # A tail runs after every chunk, on the weights they all ran on where that is one adapter's merged set,
+        # else on the plain weights with its rows' LoRA masked: those must outlive the last adapter's merge.
+        keep_plain = tail is not None and not passes.single
+        kv: list[PromptKV | None] = [None] * len(chunks)
+        ran: list[tuple[Dense, Masks]] = []
+        for j, weights, masks in passes.weights(layer, chunks, dense, keep_plain=keep_plain):
+            step = self._layer(i, layer, cache, chunks[j], hidden[j], weights, masks, rotary[j])
+            hidden[j] = step.hidden
+            if tail is not None:
+                kv[j] = step.kv
+                ran.append((weights, masks))
+            del step
+        if tail is None or tail_held is None:
+            return None
+        shared = all(w is ran[0][0] and not m for w, m in ran)
+        weights, masks = (ran[0][0], []) if shared else (dense, tail.masks)
+        return tail.layer(i, layer, tail_held, [x for x in kv if x is not None], weights, masks)
 
     def _layer(
         self,
         i: int,
         layer: Layer,
-        cache: tuple[torch.Tensor, torch.Tensor],
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
         c: Chunk,
         held: Hidden,
         weights: Dense,
         masks: Masks,
         rotary: Rotary,
-    ) -> Hidden:
-        """One chunk through layer `i`: its K/V into the cache, attention, the rest of the layer."""
+    ) -> Step:
+        """One chunk through layer `i`: its K/V into the cache (if any), attention, the rest of the layer."""
         s = self.stack
-        k_cache, v_cache = cache
         count, span = c.ids.shape
         q, k, v = s.qkv(layer, held.x, masks, rotary.cos, rotary.sin, weights, ops=self.ops)
-        if c.slots is not None:
-            # One scatter along the cache's columns: advanced indexing (below) spent ~4x its host time.
-            k_cache[c.where].scatter_(2, c.slots, k)
-            v_cache[c.where].scatter_(2, c.slots, v)
-        else:
-            # (rows, kv_heads, span, D) -> the cache's (rows, span) slots: advanced indices put those first.
-            k_cache[c.rows, :, c.columns] = k.transpose(1, 2)
-            v_cache[c.rows, :, c.columns] = v.transpose(1, 2)
+        if cache is not None:
+            k_cache, v_cache = cache
+            if c.slots is not None:
+                # One scatter along the cache's columns: advanced indexing (below) spent ~4x its host time.
+                k_cache[c.where].scatter_(2, c.slots, k)
+                v_cache[c.where].scatter_(2, c.slots, v)
+            else:
+                # (rows, kv_heads, span, D) -> the cache's (rows, span) slots: advanced indices put those first.
+                k_cache[c.rows, :, c.columns] = k.transpose(1, 2)
+                v_cache[c.rows, :, c.columns] = v.transpose(1, 2)
         out = causal_attention(q, k, v, scale=layer.scaling)
         # Each intermediate let go as soon as it is read: the MLP's peak (gate/up and their product) is what
-        # the planner sets aside per chunk, without the attention's queries and output beside it.
-        del q, k, v
+        # the planner sets aside per chunk, without the attention's queries and output beside it (K/V stay
+        # only where the caller keeps the step's for a tail: one layer's, counted in the group's held states).
+        del q
         attn = out.transpose(1, 2).reshape(count, span, s.heads * s.head_dim)
         del out
         h, x = s.attn_out(layer, held.h, attn, masks, weights, ops=self.ops)
         del attn
         h, x = s.mlp(layer, h, x, masks, s.next_norm(i), weights, ops=self.ops)
-        return Hidden(h=h, x=x)
+        return Step(hidden=Hidden(h=h, x=x), kv=PromptKV(k=k, v=v))
 
     def through_model(
         self,
