@@ -234,3 +234,82 @@ def test_choice_scores_in_bfloat16_match_a_plain_log_likelihood(tiny_models: Pat
                     logp = base.model(input_ids=ids).logits[0].float().log_softmax(-1)
                 want.append(sum(float(logp[len(row.ids) - 1 + i, t]) for i, t in enumerate(choice)))
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0.02, atol=0.15)
+
+
+def test_our_nf4_kernel_is_bitsandbytes_dequantise_in_bfloat16() -> None:
+    """Our NF4 kernel (worker/fastpath/nf4.py) on the GPU, bf16 out: bit-equal to bitsandbytes' CUDA dequantise,
+    in blocks of 64 and 128, with rows appended exactly."""
+    import bitsandbytes.functional as bnb
+
+    from worker.fastpath import nf4
+
+    torch.manual_seed(0)
+    for rows, cols, blocksize in ((2048, 1536, 64), (8960, 1536, 64), (1536, 8960, 128), (3, 64, 64)):
+        weight = torch.randn(rows, cols, dtype=torch.bfloat16, device="cuda")
+        packed, state = bnb.quantize_4bit(weight, blocksize=blocksize, quant_type="nf4")
+        want = torch.ops.bitsandbytes.dequantize_4bit.default(
+            packed, state.absmax, blocksize, "nf4", [rows, cols], torch.bfloat16
+        )
+        extra = torch.randn(40, cols, dtype=torch.bfloat16, device="cuda")
+        assert nf4.serves(packed.device, torch.bfloat16, "nf4", blocksize)
+        code = nf4.byte_table(state.code.to(device="cuda"))
+        got = nf4.dequantize(
+            packed, state.absmax, code, shape=(rows, cols), blocksize=blocksize, dtype=torch.bfloat16, extra=extra
+        )
+        assert got is not None and nf4.KERNEL.on
+        assert torch.equal(got[:rows], want), (rows, cols, blocksize)
+        assert torch.equal(got[rows:], extra)
+
+
+def test_the_fused_greedy_choice_is_torchs_on_a_vocabulary_of_qwens_size() -> None:
+    """Our greedy-choice kernel (worker/fastpath/greedy.py) on bf16 logits of 256 rows x 151,936: the token of
+    torch's argmax over the float32 logits (the first of equal maxima), its log-probability within float32
+    rounding, non-finite rows flagged and ending with `end_id`."""
+    from worker.fastpath import greedy, sampling
+
+    torch.manual_seed(0)
+    logits = (torch.randn(256, 151936, device="cuda") * 4).to(torch.bfloat16)
+    logits[1, 7] = logits[1, 100000] = logits[1].max() + 1
+    logits[2, 5] = float("nan")
+    logits[3, 9] = float("inf")
+    assert greedy.KERNEL.serves(logits)
+    token, logprob, finite = greedy.KERNEL(logits, 2)
+    want_token, want_logprob, want_finite, _ = sampling.token_choice(logits.float(), 2)
+    assert torch.equal(token, want_token) and torch.equal(finite, want_finite) and int(token[1]) == 7
+    ok = want_finite
+    torch.testing.assert_close(logprob[ok], want_logprob[ok], rtol=1e-5, atol=1e-5)
+
+
+def test_the_lora_folded_nf4_matmul_is_the_separate_one_within_bfloat16_rounding(tiny_models: Path) -> None:
+    """4-bit bf16 weights on the GPU: a projection's matmul by our NF4 kernel with every adapter's LoRA shrink
+    folded in (`weights.Fold`) against bitsandbytes' dequantise with the separate LoRA matmuls, Kev alone and Kev
+    with Laya masked per row, for a joint group (q/k/v, with its bias) and a single projection (down). The same
+    products in another cuBLAS kernel (the folded matmul has the shrink's extra columns): within bf16 rounding,
+    not bit for bit -- so tokens of this random tiny model may part (the CPU test checks them in float16)."""
+    from worker.config import load_config
+    from worker.fastpath import nf4
+
+    path = tiny_models / "models-nf4-bf16-gpu.toml"
+    path.write_text(tiny_config(tiny_models, "nf4").path.read_text().replace('"float32"', '"bfloat16"'))
+    engine = Engine(load_config(path), device="cuda", decode="auto")
+    (decoder,) = engine.decoders.values()
+    layer = decoder.stack.layers[0]
+    assert layer.qkv.joint is not None and layer.qkv.joint.quant is not None and layer.qkv.joint.quant.folds()
+    torch.manual_seed(0)
+    rows = 48
+    kev = (torch.arange(rows, device="cuda") % 2 == 0).to(torch.bfloat16).view(rows, 1, 1)
+    try:
+        for masks in ([("kev", None)], [("kev", kev), ("laya", 1 - kev)]):
+            for proj in (layer.qkv, layer.down):
+                features = proj.joint.quant.shape[1] if proj is layer.qkv else proj.base.in_features
+                x = torch.randn(rows, 1, features, dtype=torch.bfloat16, device="cuda")
+                nf4.KERNEL.on = True
+                got = proj._folded(x, masks)
+                assert got is not None and nf4.KERNEL.on
+                nf4.KERNEL.on = False
+                want = proj(x, masks)
+                want = want[1] if isinstance(want, tuple) else want  # a group: (members' outputs, joint output)
+                scale = float(want.abs().max())
+                torch.testing.assert_close(got, want, rtol=0.02, atol=0.01 * scale)
+    finally:
+        nf4.KERNEL.on = True

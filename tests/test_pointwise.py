@@ -213,3 +213,116 @@ def test_the_launcher_goes_direct_only_after_a_launch_through_it_gave_the_same_o
     assert kernel.launches == (3 if wrong else 1)
     assert kernel.compiled.runs == (1 if wrong else 3)  # the trial launch, then (trusted) every later one
     assert launcher.direct is not wrong
+
+
+def test_the_fused_greedy_choice_is_torchs() -> None:
+    """Our greedy-choice kernel (worker/fastpath/greedy.py) against `token_choice` on the float32 logits: the same
+    token (the first of equal maxima, across the kernel's blocks too), a non-finite row ending with `end_id` and
+    flagged, the log-probability within float32 rounding (its sum runs in another order)."""
+    out = run_interpreted("""
+        import torch
+        from worker.fastpath import greedy, sampling
+        torch.manual_seed(0)
+        vocab = 2 * greedy.BLOCK + 123  # three blocks, the last one partial
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            logits = (torch.randn(6, vocab) * 3).to(dtype)
+            logits[1, 7] = logits[1, greedy.BLOCK + 5] = logits[1].max() + 1  # a tie across blocks: the first wins
+            logits[2, vocab - 1] = logits[2].max() + 2  # the maximum in the partial block
+            logits[3, 11] = float("nan")
+            logits[4, 5] = float("-inf")
+            logits[5, 9] = float("inf")
+            assert greedy.KERNEL.serves(logits)
+            token, logprob, finite = greedy.KERNEL(logits, 2)
+            want_token, want_logprob, want_finite, _ = sampling.token_choice(logits.float(), 2)
+            assert torch.equal(token, want_token), (dtype, token, want_token)
+            assert torch.equal(finite, want_finite) and finite.tolist() == [True, True, True, False, False, False]
+            assert token[1] == 7 and token[2] == vocab - 1 and token[3:].tolist() == [2, 2, 2]
+            torch.testing.assert_close(logprob[:3], want_logprob[:3], rtol=1e-6, atol=1e-6)
+            chunked = sampling.greedy_choice(logits, 2)  # the step's entry point runs the kernel here
+            assert torch.equal(chunked[0], want_token)
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_our_nf4_dequantise_is_bitsandbytes_and_keeps_its_appended_rows() -> None:
+    """Our NF4 kernel (worker/fastpath/nf4.py) reads bitsandbytes' packing: bit-equal to the format's arithmetic
+    (the code's float32 value times the block's scale, rounded once) and to bitsandbytes' own CPU dequantise at
+    its default blocks of 64 (fp16 and fp32 here; the interpreter rounds bf16 by truncation, so bf16 against
+    bitsandbytes' CUDA op is checked on the GPU), in blocks of 64 and 128, with a partial last program, and the
+    extra rows appended exactly."""
+    out = run_interpreted("""
+        import torch
+        import bitsandbytes.functional as bnb
+        from worker.fastpath import nf4
+        torch.manual_seed(0)
+        for dtype in (torch.float16, torch.float32):
+            for rows, cols, blocksize, more in ((96, 128, 64, 5), (24, 320, 128, 0), (3, 64, 64, 1)):
+                weight = torch.randn(rows, cols, dtype=dtype) * 3
+                packed, state = bnb.quantize_4bit(weight, blocksize=blocksize, quant_type="nf4")
+                # The format: the first element of a byte in its high nibble, one scale per block.
+                codes = torch.stack((packed.flatten().long() >> 4, packed.flatten().long() & 15), 1).flatten()
+                scales = state.absmax.float().repeat_interleave(blocksize)
+                want = (state.code.float()[codes] * scales).to(dtype).view(rows, cols)
+                if blocksize == 64:  # bitsandbytes' own CPU dequantise (its blocks of 128 read otherwise on the CPU)
+                    own = torch.ops.bitsandbytes.dequantize_4bit.default(
+                        packed, state.absmax, blocksize, "nf4", [rows, cols], dtype)
+                    assert torch.equal(own, want)
+                extra = torch.randn(more, cols, dtype=dtype) if more else None
+                assert nf4.serves(packed.device, dtype, "nf4", blocksize) and not nf4.serves(
+                    packed.device, dtype, "fp4", blocksize)
+                got = nf4.dequantize(packed, state.absmax.float(), nf4.byte_table(state.code), shape=(rows, cols),
+                                     blocksize=blocksize, dtype=dtype, extra=extra)
+                assert got.shape == (rows + more, cols)
+                assert torch.equal(got[:rows], want), (dtype, rows, cols, blocksize)
+                if more:
+                    assert torch.equal(got[rows:], extra)
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_decode_with_lora_folded_into_our_nf4_matmul_keeps_its_tokens(tiny_models: Path) -> None:
+    """The decode step's 4-bit matmuls by our kernel with every adapter's LoRA shrink folded in (`weights.Fold`:
+    the A rows dequantised below the weight, one expand) against bitsandbytes' dequantise and the separate LoRA
+    matmuls: Kev, Laya and mixed rows (each adapter's shrink masked per row) get the same tokens, and the
+    log-probabilities agree within float16 rounding; the folded path really ran, with the adapters' rows."""
+    from tests.conftest import tiny_config
+
+    path = tiny_models / "models-nf4-fp16.toml"
+    path.write_text(tiny_config(tiny_models, "nf4").path.read_text().replace('"float32"', '"float16"'))
+    out = run_interpreted(
+        """
+        import sys
+        import torch
+        from tests.test_fastpath import PROMPTS
+        from worker.config import load_config
+        from worker.engine import Engine
+        from worker.fastpath import DecodeRow, nf4, weights
+        from worker.loading import select_adapters
+
+        weights.OWN_4BIT_DEVICES = frozenset({"cuda", "cpu"})
+        folded = []
+        def counted(*args, _fn=nf4.dequantize, **kw):
+            folded.append(kw.get("extra") is not None)
+            return _fn(*args, **kw)
+        nf4.dequantize = counted
+        engine = Engine(load_config(sys.argv[1]), device="cpu", decode="static")
+        (base,), (decoder,) = engine.bases.values(), engine.decoders.values()
+        kw = {"stop_ids": [-1], "pad_id": base.tokenizer.pad_token_id, "select": lambda n: select_adapters(base, n)}
+        ids = [base.tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(4)]
+        for adapters in (["kev"], ["laya"], ["kev", "laya"]):
+            rows = [DecodeRow(ids=r, max_new=4, adapter=adapters[i % len(adapters)]) for i, r in enumerate(ids)]
+            nf4.KERNEL.on = True
+            folded.clear()
+            got = decoder.decode(rows, **kw)
+            assert folded and any(folded), adapters
+            nf4.KERNEL.on = False
+            want = decoder.decode(rows, **kw)
+            assert torch.equal(got.tokens, want.tokens), adapters
+            torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-3, atol=1e-3)
+        print("ok")
+        """,
+        str(path),
+    )
+    assert out.strip() == "ok"

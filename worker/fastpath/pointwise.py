@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -256,6 +257,20 @@ def add_rms_fits(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> 
     return (
         h.dtype == delta.dtype == weight.dtype and weight.dim() == 1 and weight.is_contiguous() and h.shape[-1] <= 16384
     )
+
+
+def launched(launch: Callable[[], None], device: torch.device, what: str) -> bool:
+    """`launch()` with `device` current; False where it failed (logged: our `what` kernel is an optional speed-up,
+    its caller switches it off and runs its torch or bitsandbytes path from then on)."""
+    try:
+        with on_device(device):
+            launch()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception:  # a Triton build or launch failure on this device
+        log.exception("fast path: our %s kernel failed; using the path without it from now on", what)
+        return False
+    return True
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:

@@ -1,4 +1,5 @@
-"""4-bit weights: the only module that calls bitsandbytes' ops (`torch.ops.bitsandbytes`).
+"""4-bit weights: the only module that calls bitsandbytes' ops (`torch.ops.bitsandbytes`); our own NF4 kernel,
+which reads bitsandbytes' packing, is `nf4`.
 
 bitsandbytes' `Linear4bit.forward` spends ~150 us of Python per call and decodes double-quantised scales on
 every call; the loop instead keeps each weight's scales in float32 (decoded once) and calls the two ops it
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from worker.fastpath import nf4
 
 
 @torch.no_grad()
@@ -40,6 +43,20 @@ class Layout4bit:
     quant_type: str
     shape: list[int]  # (out, in) of the unpacked weight
     dtype: torch.dtype  # compute dtype
+    code: torch.Tensor | None = None  # the 4-bit type's byte table for our kernel (`nf4.byte_table`)
+
+    def folds(self) -> bool:
+        """Whether `dense_with` runs here: our NF4 kernel (`nf4`) serves this layout on this device."""
+        return self.code is not None and nf4.serves(self.absmax.device, self.dtype, self.quant_type, self.blocksize)
+
+    def dense_with(self, packed: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor | None:
+        """The weight dequantised by our kernel, bit-equal to `dense`, with `extra` rows appended below it (`folds`
+        first); None where the kernel failed."""
+        assert self.code is not None
+        return nf4.dequantize(
+            packed, self.absmax, self.code, shape=(self.shape[0], self.shape[1]), blocksize=self.blocksize,
+            dtype=self.dtype, extra=extra,
+        )  # fmt: skip
 
     def dense(self, packed: torch.Tensor) -> torch.Tensor:
         """The weight dequantised as bitsandbytes' dequantise-then-linear path does it for large inputs."""

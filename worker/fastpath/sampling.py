@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.fastpath import greedy
+
 MASK32 = 0xFFFFFFFF
 # Greedy choice converts this many rows' logits to float32 at a time: the step's temporaries are one chunk's
 # float32 logits and log-softmax, not the whole batch's (~300 MiB fewer at 256 rows of a 152k vocabulary,
@@ -37,8 +39,13 @@ def token_choice(logits: torch.Tensor, end_id: int) -> tuple[torch.Tensor, torch
 def greedy_choice(
     logits: torch.Tensor, end_id: int, *, chunk_rows: int = CHOICE_CHUNK_ROWS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`token_choice`'s token, log-probability and finiteness, converting `chunk_rows` rows to float32 at a
-    time. Row-wise arithmetic, so the chunking changes no number."""
+    """`token_choice`'s token, log-probability and finiteness: by our fused kernel where it runs (bf16/fp16 logits
+    on CUDA: `greedy`, the log-probability summed in another order), else converting `chunk_rows` rows to
+    float32 at a time (row-wise arithmetic, so the chunking changes no number)."""
+    if greedy.KERNEL.serves(logits):
+        fused = greedy.KERNEL(logits, end_id)
+        if fused is not None:
+            return fused
     parts = [token_choice(part.float(), end_id)[:3] for part in logits.split(chunk_rows)]
     if len(parts) == 1:
         return parts[0]

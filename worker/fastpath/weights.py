@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from worker.fastpath import pointwise
+from worker.fastpath import nf4, pointwise
 from worker.fastpath.ops import DEFAULT_OPS, Ops, OpsOptions, norm_of
 from worker.fastpath.quant4 import Layout4bit, float_absmax
 
@@ -72,6 +72,8 @@ class Proj:
         state = getattr(self.base.weight, "quant_state", None)
         ours = self.base.weight.device.type in OWN_4BIT_DEVICES
         self.absmax = float_absmax(state) if state is not None and ours else None
+        self.code = four_bit_code(state) if self.absmax is not None else None
+        self.folds: dict[tuple[str, ...], Fold] = {}  # per adapters (the decode step's): their LoRA folded
 
     def dense(self) -> torch.Tensor | None:
         """The base weight ready for `F.linear`: a plain layer's own weight, or a CUDA 4-bit weight dequantised
@@ -91,7 +93,7 @@ class Proj:
         dtype = getattr(self.base, "compute_dtype", None) or self.dtype
         return Layout4bit(
             absmax=self.absmax, blocksize=state.blocksize, quant_type=state.quant_type, shape=list(state.shape),
-            dtype=dtype,
+            dtype=dtype, code=self.code,
         )  # fmt: skip
 
     @property
@@ -116,7 +118,27 @@ class Proj:
         return weight.addmm_(b, a) if in_place and self.dequantises else torch.addmm(weight, b, a)
 
     def __call__(self, x: torch.Tensor, masks: Masks, dense: torch.Tensor | None = None) -> torch.Tensor:
+        if dense is None and (out := self._folded(x, masks)) is not None:
+            return out
         return self.add_lora(self.base_out(x, dense), x, masks)
+
+    def _folded(self, x: torch.Tensor, masks: Masks) -> torch.Tensor | None:
+        """The 4-bit matmul with every adapter's fused LoRA folded in (`folded_matmul`), where our kernel runs and
+        each adapter with a LoRA here has its fused copies; else None."""
+        layout = self._layout()
+        if layout is None or layout.dtype != self.dtype or not layout.folds():
+            return None  # (the fused copies are in the model's dtype: the fold needs the same)
+        names = tuple(name for name, _ in masks if name in self.lora)
+        if any(name not in self.fused for name in names):
+            return None
+        fold = self.folds.get(names)
+        if fold is None:
+            fold = Fold.of([(n, *self.fused[n]) for n in names], self._bias(layout.dtype)) if names else NO_FOLD
+            self.folds[names] = fold
+        return folded_matmul(x, layout, self.base.weight.view(-1, 1), fold, masks, self._bias(layout.dtype))
+
+    def _bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        return None if self.base.bias is None else self.base.bias.to(dtype)
 
     def base_out(self, x: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
         if dense is not None:
@@ -145,6 +167,60 @@ class Proj:
                 delta = delta * mask
             result = result + delta
         return result.to(out_dtype)
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Adapters' LoRA folded into a 4-bit matmul (`nf4`): their A matrices stacked, dequantised below the base
+    weight as extra rows (one matmul gives the base output and every shrink `x A^T` side by side), and their B
+    matrices side by side for the one expand."""
+
+    a: torch.Tensor  # (R, in)
+    b: torch.Tensor  # (out, R), the scale folded in
+    spans: tuple[tuple[str, int, int], ...]  # each adapter's columns of the shrink: (name, start, end)
+    bias: torch.Tensor | None  # the base bias, R zeros appended (the shrink columns get none)
+
+    @classmethod
+    def of(cls, loras: list[tuple[str, torch.Tensor, torch.Tensor]], bias: torch.Tensor | None) -> Fold:
+        spans: list[tuple[str, int, int]] = []
+        start = 0
+        for name, a, _ in loras:
+            spans.append((name, start, start + a.shape[0]))
+            start += a.shape[0]
+        with torch.no_grad():
+            a = loras[0][1] if len(loras) == 1 else torch.cat([a for _, a, _ in loras])
+            b = loras[0][2] if len(loras) == 1 else torch.cat([b for _, _, b in loras], dim=1)
+            if bias is not None:
+                bias = torch.cat((bias, bias.new_zeros(start)))
+        return cls(a=a, b=b, spans=tuple(spans), bias=bias)
+
+
+NO_FOLD = Fold(a=torch.empty(0), b=torch.empty(0), spans=(), bias=None)
+
+
+def folded_matmul(
+    x: torch.Tensor, layout: Layout4bit, packed: torch.Tensor, fold: Fold, masks: Masks, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """x W^T (+ bias) plus each adapter's LoRA delta (masked per row where `masks` say), W dequantised by our
+    kernel with the adapters' A rows appended: one dequantise, one matmul, one expand (and a mask per adapter of
+    a mixed batch) where bitsandbytes' path and the separate LoRA took two launches a projection more (`nf4`).
+    None where the kernel failed (the caller's path runs). The result is a view of the joint output."""
+    n = layout.shape[0]
+    weight = layout.dense_with(packed, fold.a if fold.spans else None)
+    if weight is None:
+        return None
+    out = F.linear(x.to(weight.dtype), weight, fold.bias if fold.spans else bias)
+    if not fold.spans:
+        return out.to(x.dtype)
+    by_name = dict(masks)
+    low = out[..., n:]
+    for name, start, end in fold.spans:
+        mask = by_name.get(name)
+        if mask is not None:
+            low[..., start:end].mul_(mask)
+    flat = out.view(-1, out.shape[-1])
+    flat[:, :n].addmm_(flat[:, n:], fold.b.t())
+    return out[..., :n].to(x.dtype)
 
 
 def fused_delta(
@@ -181,6 +257,7 @@ class Group:
         # join=False: the members run one by one (to compare against the joint matmul).
         self.joint = join_bases(projs, dtype) if join and len(projs) > 1 else None
         self.lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.folds: dict[tuple[str, ...], Fold] = {}  # per adapters (the decode step's): their LoRA folded
         names = set(projs[0].fused)
         if self.joint is not None and names and all(set(p.fused) == names and not p.lora.keys() - names for p in projs):
             with torch.no_grad():
@@ -228,6 +305,8 @@ class Group:
         if self.joint is None:
             dense = dense or (None,) * len(self.projs)
             return [p(x, masks, d) for p, d in zip(self.projs, dense, strict=True)], None
+        if not dense and (folded := self._folded(x, masks)) is not None:
+            return list(folded.split(self.sizes, dim=-1)), folded
         joint = self.joint.base_out(x, dense[0] if dense else None)
         if self.lora:
             for name, mask in masks:
@@ -237,6 +316,22 @@ class Group:
             return list(joint.split(self.sizes, dim=-1)), joint
         parts = joint.split(self.sizes, dim=-1)
         return [p.add_lora(part, x, masks) for p, part in zip(self.projs, parts, strict=True)], None
+
+    def _folded(self, x: torch.Tensor, masks: Masks) -> torch.Tensor | None:
+        """The joint 4-bit matmul with every adapter's joint LoRA folded in (`folded_matmul`), where our kernel
+        runs and each adapter touching a member has its joint copies; else None."""
+        assert self.joint is not None
+        layout = self.joint.quant
+        if layout is None or layout.dtype != self.projs[0].dtype or not layout.folds():
+            return None  # (the joint copies are in the model's dtype: the fold needs the same)
+        names = tuple(name for name, _ in masks if self._touches(name))
+        if any(name not in self.lora for name in names):
+            return None
+        fold = self.folds.get(names)
+        if fold is None:
+            fold = Fold.of([(n, *self.lora[n]) for n in names], self.joint.bias) if names else NO_FOLD
+            self.folds[names] = fold
+        return folded_matmul(x, layout, self.joint.weight, fold, masks, self.joint.bias)
 
 
 def block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
@@ -295,8 +390,18 @@ def join_bases(projs: list[Proj], dtype: torch.dtype) -> JointBase | None:
             p.base.weight.quant_state.absmax = view  # plain (not nested) scales: bitsandbytes' own, shared
         p.absmax = view
     shape = [sum(s.shape[0] for s in states), states[0].shape[1]]
-    layout = Layout4bit(absmax=absmax, blocksize=blocksize, quant_type=quant_type, shape=shape, dtype=compute_dtype)
+    layout = Layout4bit(
+        absmax=absmax, blocksize=blocksize, quant_type=quant_type, shape=shape, dtype=compute_dtype, code=projs[0].code
+    )
     return JointBase(weight, joint_bias(bases, compute_dtype), layout)
+
+
+def four_bit_code(state: Any) -> torch.Tensor | None:
+    """A 4-bit weight's code (its type's 16 values) as our kernel's byte table on the weight's device (`nf4`)."""
+    code = getattr(state, "code", None)
+    if code is None or code.numel() != 16:
+        return None
+    return nf4.byte_table(code.to(device=state.absmax.device, dtype=torch.float32))
 
 
 def joint_bias(bases: list[torch.nn.Module], dtype: torch.dtype) -> torch.Tensor | None:
