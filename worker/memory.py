@@ -93,7 +93,11 @@ class ModelShape:
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+        return self.layers * self.layer_kv_bytes_per_token(dtype_bytes)
+
+    def layer_kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """One layer's keys and values of a token."""
+        return 2 * self.kv_heads * self.head_dim * dtype_bytes
 
     def weight_bytes(self, *, quantized: bool, double_quant: bool, dtype_bytes: int = 2) -> int:
         """Estimated resident weight bytes: linears in 4 bit when quantised, embeddings in the compute dtype."""
@@ -121,7 +125,7 @@ class ModelShape:
         token, position and scoring indices, and a token's K/V of one layer (the group's prompts' are kept for
         the tail, which runs after them: bounded here at the dearer figure of a choice token)."""
         mask = self.heads // self.kv_heads * row_tokens
-        kv = 2 * self.kv_heads * self.head_dim * dtype_bytes
+        kv = self.layer_kv_bytes_per_token(dtype_bytes)
         return self.prefill_held_bytes_per_token(dtype_bytes) + mask + 2 * self.head_dim * dtype_bytes + 5 * 8 + kv
 
     def attention_bytes_per_row(self, input_tokens: int) -> int:
@@ -310,7 +314,7 @@ def plan_batch(
                 # group counts them among its tokens: bounded at the dearer choice token's figure.
                 row_tokens = input_tokens + new_tokens
                 choice = shape.choice_held_bytes_per_token(row_tokens, dtype_bytes)
-                held_row += input_tokens * 2 * shape.kv_heads * shape.head_dim * dtype_bytes + new_tokens * choice
+                held_row += input_tokens * shape.layer_kv_bytes_per_token(dtype_bytes) + new_tokens * choice
                 held_cap = max(prefill_group_tokens, prefill_chunk_tokens, row_tokens) * choice
         if scored_in_prefill:
             plan = BatchPlan(

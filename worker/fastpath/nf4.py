@@ -16,11 +16,10 @@ in the high nibble), one float32 scale (`absmax`, double quantisation decoded on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from worker.fastpath import pointwise
+from worker.fastpath.ops import KernelSwitch
 from worker.fastpath.pointwise import INTERPRETED, Launcher, cdiv, triton
 
 # Packed bytes a program dequantises (2 x as many weights).
@@ -53,14 +52,8 @@ if triton is not None:
     NF4 = Launcher(_nf4_kernel, outputs=(4,))
 
 
-@dataclass
-class Switch:
-    """Whether our kernel runs: off for good once it failed (logged once; bitsandbytes' path from then on)."""
-
-    on: bool = True
-
-
-KERNEL = Switch()
+# Whether our kernel runs: off for good once it failed (logged once; bitsandbytes' path from then on).
+KERNEL = KernelSwitch(on=True)
 
 
 def byte_table(code: torch.Tensor) -> torch.Tensor:
@@ -75,13 +68,8 @@ def byte_table(code: torch.Tensor) -> torch.Tensor:
 def serves(device: torch.device, dtype: torch.dtype, quant_type: str, blocksize: int) -> bool:
     """Whether `dequantize` takes a weight of this layout into `dtype` on `device`."""
     floats = (torch.bfloat16, torch.float16, *((torch.float32,) if INTERPRETED else ()))
-    return (
-        KERNEL.on
-        and quant_type == "nf4"
-        and blocksize % 2 == 0
-        and dtype in floats
-        and pointwise.available(device, torch.bfloat16 if INTERPRETED else dtype)
-    )
+    layout = quant_type == "nf4" and blocksize % 2 == 0
+    return KERNEL.on and layout and dtype in floats and pointwise.available(device, dtype)
 
 
 def dequantize(

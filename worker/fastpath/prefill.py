@@ -417,14 +417,7 @@ class Prefill:
         prompts = Prompts.of([r.ids for r in rows])
         return [self._chunk(prompts, [rows[i] for i in c], c, width, pad_id) for c in self.chunk_rows(rows)]
 
-    def _chunk(
-        self,
-        prompts: Prompts,
-        part: Sequence[PromptRow],
-        members: list[int],
-        width: int,
-        pad_id: int,
-    ) -> Chunk:
+    def _chunk(self, prompts: Prompts, part: Sequence[PromptRow], members: list[int], width: int, pad_id: int) -> Chunk:
         """One chunk's tensors, each built for all its rows at once."""
         s = self.stack
         device = s.device

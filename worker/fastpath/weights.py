@@ -123,22 +123,13 @@ class Proj:
         return self.add_lora(self.base_out(x, dense), x, masks)
 
     def _folded(self, x: torch.Tensor, masks: Masks) -> torch.Tensor | None:
-        """The 4-bit matmul with every adapter's fused LoRA folded in (`folded_matmul`), where our kernel runs and
-        each adapter with a LoRA here has its fused copies; else None."""
-        layout = self._layout()
-        if layout is None or layout.dtype != self.dtype or not layout.folds():
-            return None  # (the fused copies are in the model's dtype: the fold needs the same)
+        """The 4-bit matmul with every adapter's fused LoRA folded in (`run_folded`), or None."""
         names = tuple(name for name, _ in masks if name in self.lora)
-        if any(name not in self.fused for name in names):
-            return None
-        fold = self.folds.get(names)
-        if fold is None:
-            fold = Fold.of([(n, *self.fused[n]) for n in names], self._bias(layout.dtype)) if names else NO_FOLD
-            self.folds[names] = fold
-        return folded_matmul(x, layout, self.base.weight.view(-1, 1), fold, masks, self._bias(layout.dtype))
-
-    def _bias(self, dtype: torch.dtype) -> torch.Tensor | None:
-        return None if self.base.bias is None else self.base.bias.to(dtype)
+        bias = self.base.bias
+        return run_folded(
+            x, masks, self._layout(), self.base.weight.view(-1, 1), self.folds, names, self.fused, self.dtype,
+            lambda: None if bias is None else bias.to(self.dtype),
+        )  # fmt: skip
 
     def base_out(self, x: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
         if dense is not None:
@@ -175,13 +166,15 @@ class Fold:
     weight as extra rows (one matmul gives the base output and every shrink `x A^T` side by side), and their B
     matrices side by side for the one expand."""
 
-    a: torch.Tensor  # (R, in)
-    b: torch.Tensor  # (out, R), the scale folded in
+    a: torch.Tensor | None  # (R, in); None: no adapter (the base matmul alone)
+    b: torch.Tensor | None  # (out, R), the scale folded in
     spans: tuple[tuple[str, int, int], ...]  # each adapter's columns of the shrink: (name, start, end)
     bias: torch.Tensor | None  # the base bias, R zeros appended (the shrink columns get none)
 
     @classmethod
     def of(cls, loras: list[tuple[str, torch.Tensor, torch.Tensor]], bias: torch.Tensor | None) -> Fold:
+        if not loras:
+            return cls(a=None, b=None, spans=(), bias=bias)
         spans: list[tuple[str, int, int]] = []
         start = 0
         for name, a, _ in loras:
@@ -195,22 +188,42 @@ class Fold:
         return cls(a=a, b=b, spans=tuple(spans), bias=bias)
 
 
-NO_FOLD = Fold(a=torch.empty(0), b=torch.empty(0), spans=(), bias=None)
+def run_folded(
+    x: torch.Tensor,
+    masks: Masks,
+    layout: Layout4bit | None,
+    packed: torch.Tensor,
+    folds: dict[tuple[str, ...], Fold],
+    names: tuple[str, ...],
+    loras: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    dtype: torch.dtype,
+    bias: Callable[[], torch.Tensor | None],
+) -> torch.Tensor | None:
+    """A projection's (or joint group's) 4-bit matmul with the LoRA of `names` (the adapters with a LoRA on it)
+    folded in (`folded_matmul`), its `Fold` made once per adapters into `folds` from their compute-dtype copies
+    `loras` and the base `bias`. None where it cannot run: no 4-bit layout our kernel serves, the compute dtype
+    not the copies' `dtype`, or an adapter without copies (PEFT's float32 arithmetic kept)."""
+    if layout is None or layout.dtype != dtype or not layout.folds() or any(n not in loras for n in names):
+        return None
+    fold = folds.get(names)
+    if fold is None:
+        fold = folds[names] = Fold.of([(n, *loras[n]) for n in names], bias())
+    return folded_matmul(x, layout, packed, fold, masks)
 
 
 def folded_matmul(
-    x: torch.Tensor, layout: Layout4bit, packed: torch.Tensor, fold: Fold, masks: Masks, bias: torch.Tensor | None
+    x: torch.Tensor, layout: Layout4bit, packed: torch.Tensor, fold: Fold, masks: Masks
 ) -> torch.Tensor | None:
     """x W^T (+ bias) plus each adapter's LoRA delta (masked per row where `masks` say), W dequantised by our
     kernel with the adapters' A rows appended: one dequantise, one matmul, one expand (and a mask per adapter of
     a mixed batch) where bitsandbytes' path and the separate LoRA took two launches a projection more (`nf4`).
     None where the kernel failed (the caller's path runs). The result is a view of the joint output."""
     n = layout.shape[0]
-    weight = layout.dense_with(packed, fold.a if fold.spans else None)
+    weight = layout.dense_with(packed, fold.a)
     if weight is None:
         return None
-    out = F.linear(x.to(weight.dtype), weight, fold.bias if fold.spans else bias)
-    if not fold.spans:
+    out = F.linear(x.to(weight.dtype), weight, fold.bias)
+    if fold.b is None:
         return out.to(x.dtype)
     by_name = dict(masks)
     low = out[..., n:]
@@ -318,20 +331,13 @@ class Group:
         return [p.add_lora(part, x, masks) for p, part in zip(self.projs, parts, strict=True)], None
 
     def _folded(self, x: torch.Tensor, masks: Masks) -> torch.Tensor | None:
-        """The joint 4-bit matmul with every adapter's joint LoRA folded in (`folded_matmul`), where our kernel
-        runs and each adapter touching a member has its joint copies; else None."""
-        assert self.joint is not None
-        layout = self.joint.quant
-        if layout is None or layout.dtype != self.projs[0].dtype or not layout.folds():
-            return None  # (the joint copies are in the model's dtype: the fold needs the same)
+        """The joint 4-bit matmul with every adapter's joint LoRA folded in (`run_folded`), or None."""
+        joint = self.joint
+        assert joint is not None
         names = tuple(name for name, _ in masks if self._touches(name))
-        if any(name not in self.lora for name in names):
-            return None
-        fold = self.folds.get(names)
-        if fold is None:
-            fold = Fold.of([(n, *self.lora[n]) for n in names], self.joint.bias) if names else NO_FOLD
-            self.folds[names] = fold
-        return folded_matmul(x, layout, self.joint.weight, fold, masks, self.joint.bias)
+        return run_folded(
+            x, masks, joint.quant, joint.weight, self.folds, names, self.lora, self.projs[0].dtype, lambda: joint.bias
+        )
 
 
 def block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
