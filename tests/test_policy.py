@@ -32,6 +32,51 @@ def test_choose_model(current, kev, laya, expected) -> None:
     assert choose_model(current, {"kev": kev, "laya": laya}, max_wait_ms=1000) == expected
 
 
+CASCADE = {"laya": "kev", "kev": None}
+
+
+@pytest.mark.parametrize(
+    ("current", "kev", "laya", "expected"),
+    [
+        # Neither full: laya's take escalates into kev's queue, so it goes first and kev's next take is fuller.
+        ("kev", Q(107, 10, take=160), Q(176, 50, take=256), "laya"),
+        ("kev", Q(107, 10, take=160), Q(1, 0, take=256), "laya"),
+        ("laya", Q(107, 10, take=160), Q(176, 50, take=256), "laya"),  # laya feeds kev, not the other way
+        ("kev", Q(160, 10, take=160), Q(176, 50, take=256), "kev"),  # kev holds a full take: stay
+        ("kev", Q(107, 1500, take=160), Q(176, 50, take=256), "laya"),  # kev's own wait never keeps it
+        ("kev", Q(107, 10, take=160), Q(0, 0, take=256), "kev"),  # nothing to feed kev: stay
+        ("laya", Q(107, 1500, take=160), Q(176, 50, take=256), "kev"),  # kev starving: served whatever feeds it
+        ("kev", Q(107, 10, take=160), Q(300, 50, take=256), "laya"),  # laya full: the old rule already switched
+    ],
+)
+def test_feeders_first(current, kev, laya, expected) -> None:
+    got = choose_model(current, {"kev": kev, "laya": laya}, max_wait_ms=1000, escalates_to=CASCADE)
+    assert got == expected
+
+
+def test_feeders_first_saves_a_partial_take() -> None:
+    """Simulated drain of a cascade (laya escalates a quarter into kev; takes of 256 laya / 170 kev rows):
+    feeders first, kev's 500 follow-ups run in the fewest takes (3), where staying on a partial kev take
+    spent a fourth on the last laya take's escalations."""
+
+    def drain(escalates_to):
+        depth, current, kev_takes, waited = {"laya": 2000, "kev": 0}, None, 0, 0.0
+        take = {"laya": 256, "kev": 170}
+        while depth["laya"] or depth["kev"]:
+            queues = {m: Q(depth[m], waited if depth[m] else 0.0, take=take[m]) for m in depth}
+            current = choose_model(current, queues, max_wait_ms=1e9, escalates_to=escalates_to)
+            n = min(take[current], depth[current])
+            depth[current] -= n
+            if current == "laya":
+                depth["kev"] += n // 4
+            kev_takes += current == "kev"
+            waited += 1
+        return kev_takes
+
+    assert drain(CASCADE) == 3
+    assert drain(None) == 4
+
+
 def test_never_starves_under_constant_load() -> None:
     """Simulated: laya always has fresh work; kev's single job must still be served once it waits."""
     current, waited = "laya", 0.0

@@ -21,16 +21,22 @@ from worker.policy import QueueState, choose_model
 
 
 def choose_queue(
-    current: str | None, states: Mapping[QueueRef, QueueState], *, max_wait_ms: float, bulk_due: bool
+    current: str | None,
+    states: Mapping[QueueRef, QueueState],
+    *,
+    max_wait_ms: float,
+    bulk_due: bool,
+    escalates_to: Mapping[str, str | None] | None = None,
 ) -> QueueRef | None:
-    """The queue to take from next, or None when every queue is empty. `current`: the model served last."""
+    """The queue to take from next, or None when every queue is empty. `current`: the model served last;
+    `escalates_to`: each model's escalation target (worker.policy's feeders-first rule)."""
     interactive = {r.model: s for r, s in states.items() if r.lane == INTERACTIVE}
     bulk = {r.model: s for r, s in states.items() if r.lane == BULK}
     bulk_waits = any(s.depth > 0 for s in bulk.values())
     if any(s.depth > 0 for s in interactive.values()) and not (bulk_due and bulk_waits):
-        model = choose_model(current, interactive, max_wait_ms=max_wait_ms)
+        model = choose_model(current, interactive, max_wait_ms=max_wait_ms, escalates_to=escalates_to)
         return None if model is None else QueueRef(model, INTERACTIVE)
-    model = choose_model(current, bulk, max_wait_ms=max_wait_ms)
+    model = choose_model(current, bulk, max_wait_ms=max_wait_ms, escalates_to=escalates_to)
     return None if model is None else QueueRef(model, BULK)
 
 

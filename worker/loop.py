@@ -80,6 +80,7 @@ class BatchWorker:
         self.settler = Settler(redis, self.keys, config, self.bridge, versions=versions, enqueue=enqueue)
         self.recovery = RecoveryPass(redis, self.keys, self.bridge, config.names, self.stats)
         self.current_model: str | None = None
+        self.escalates_to = {name: spec.escalates_to for name, spec in config.models.items()}
         self._stop = threading.Event()
         self.wake = Wake(redis, self.keys.queued(), self._stop)  # the idle wait: a submit ends it
         self.ready = threading.Event()  # registered and serving (/readyz)
@@ -194,7 +195,11 @@ class BatchWorker:
             for ref, f in facts.items()
         }
         ref = choose_queue(
-            self.current_model, states, max_wait_ms=self.settings.max_wait_ms, bulk_due=self.bulk_turn.due
+            self.current_model,
+            states,
+            max_wait_ms=self.settings.max_wait_ms,
+            bulk_due=self.bulk_turn.due,
+            escalates_to=self.escalates_to,
         )
         if ref is None:
             if self.settings.burst and not self._anything_recoverable():

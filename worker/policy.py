@@ -3,6 +3,10 @@
 Stay on the current model while it has work, since every switch breaks a batch; switch when its queue is
 empty, when another queue's oldest job has waited longer than `max_wait_ms` (no starvation), or when another
 queue holds a full take while the current one does not (full batches are what make a GPU batch cheap per job).
+Where neither holds a full take, a model whose unsure answers escalate into the current one goes first: its
+take's follow-ups join the current queue, whose next take is then fuller (a partial Kev take served before
+the last Laya take costs a second partial Kev take for that take's escalations: Kev's full answer length
+decoded twice).
 """
 
 from __future__ import annotations
@@ -22,15 +26,29 @@ class QueueState:
         return 0 < self.take <= self.depth
 
 
-def choose_model(current: str | None, queues: Mapping[str, QueueState], *, max_wait_ms: float) -> str | None:
-    """The model to serve next, or None when every queue is empty."""
+def choose_model(
+    current: str | None,
+    queues: Mapping[str, QueueState],
+    *,
+    max_wait_ms: float,
+    escalates_to: Mapping[str, str | None] | None = None,
+) -> str | None:
+    """The model to serve next, or None when every queue is empty. `escalates_to`: each model's escalation
+    target (the config's `escalates_to`), for the feeders-first rule."""
     waiting = {m: q for m, q in queues.items() if q.depth > 0}
     if not waiting:
         return None
     starving = [m for m, q in waiting.items() if m != current and q.oldest_wait_ms > max_wait_ms]
     full = [m for m, q in waiting.items() if m != current and q.full]
     if current in waiting and not starving and (waiting[current].full or not full):
-        return current
-    candidates = starving or full or list(waiting)
+        targets = escalates_to or {}
+        feeders = [m for m in waiting if m != current and targets.get(m) == current]
+        if waiting[current].full or not feeders:
+            return current
+        return _first(feeders, waiting)
+    return _first(starving or full or list(waiting), waiting)
+
+
+def _first(candidates: list[str], waiting: Mapping[str, QueueState]) -> str:
     # The longest-waiting head first; on a tie, the deeper queue (a bigger batch), then by name.
     return max(candidates, key=lambda m: (waiting[m].oldest_wait_ms, waiting[m].depth, m))
