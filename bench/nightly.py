@@ -362,7 +362,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             load_config(config_path),
             device=args.device,
             memory_budget_bytes=budget,
-            max_batch_rows=512,
             decode=args.decode,
             ops=OpsOptions(compile_ops=not args.no_compile, pointwise_kernels=args.pointwise_kernels),
         )
@@ -446,8 +445,7 @@ def _row(r: dict[str, Any], argv: list[str]) -> str:
         best = max(r["sweep"], key=lambda s: s["decisions_s"])
         parts.append(f"engine alone peaks at {best['decisions_s']:.1f} decisions/s at batch {best['batch']}")
     cmd = " ".join(["python -m bench nightly", *argv])
-    # The one setting that differs from `kevlaya worker`'s defaults (max-wait-ms is the default 2,000 since h14).
-    model += f", decode {r.get('decode', 'auto')}, worker defaults but --max-batch-rows 512 (default 256)"
+    model += f", decode {r.get('decode', 'auto')}, worker defaults"
     return f"| nightly-{r['items']} | {r['hardware']} | {model} | {'; '.join(parts)} | `{cmd}` |"
 
 

@@ -63,7 +63,13 @@ def setup_logging(level: str) -> None:
     help="Interactive work counts as live this long after one was last seen waiting (bulk takes paced). "
     "0: never paced.",
 )
-@click.option("--max-batch-rows", default=256, show_default=True, help="Upper bound on rows per batch.")
+@click.option(
+    "--max-batch-rows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Upper bound on rows per batch (default: 512 on a GPU, where the memory plan bounds generation takes, "
+    "256 on a CPU).",
+)
 @click.option("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available).")
 @click.option("--no-mixed-tails", is_flag=True, help="Never mix Kev and Laya rows in one batch.")
 @click.option(
@@ -124,7 +130,7 @@ def worker_command(
     bulk_every_takes: int,
     paced_take_ms: int,
     interactive_window_s: float,
-    max_batch_rows: int,
+    max_batch_rows: int | None,
     device: str | None,
     no_mixed_tails: bool,
     decode: str,

@@ -59,6 +59,17 @@ class EngineStats:
     process_bytes: int | None  # CUDA: the process now, as the driver reports it
 
 
+# On a GPU the memory plan bounds a take (288 Laya rows at 6 GiB): the cap only lets a scoring take, which needs no
+# KV cache, hold more rows (fewer takes, each paying its fixed host work once). On a CPU a batch is not free: a
+# 512-row take of the demo models is ~30 s, which an interactive job would wait behind.
+GPU_BATCH_ROWS = 512
+CPU_BATCH_ROWS = 256
+
+
+def default_batch_rows(device: torch.device) -> int:
+    return GPU_BATCH_ROWS if device.type == "cuda" else CPU_BATCH_ROWS
+
+
 class Engine:
     """Models loaded once; `run` answers a batch. `fault_hook(phase, rows)` lets tests inject faults."""
 
@@ -68,7 +79,7 @@ class Engine:
         *,
         device: str | None = None,
         memory_budget_bytes: int | None = None,
-        max_batch_rows: int = 256,
+        max_batch_rows: int | None = None,
         fault_hook: FaultHook | None = None,
         bases: dict[str, LoadedBase] | None = None,
         decode: str = "auto",
@@ -81,7 +92,7 @@ class Engine:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())  # memory APIs need an index
         self.memory = MemoryBudget(self.device, memory_budget_bytes)
-        self.max_batch_rows = max_batch_rows
+        self.max_batch_rows = max_batch_rows or default_batch_rows(self.device)
         self.fault_hook = fault_hook
         self._deadline: float | None = None
         self.memory.start()
