@@ -29,7 +29,17 @@ from worker.rqcompat import RawJob, RQBridge
 
 log = logging.getLogger("kevlaya.worker")
 
-_ANSWERED_LUA = "return redis.call('HEXISTS', KEYS[1], ARGV[1]) + redis.call('HEXISTS', KEYS[2], ARGV[1])"
+# Which of one batch's items hold an answer: in its results, or (ARGV[1] '1': a model that escalates, whose
+# escalated step is an answer too) in its steps. ARGV[2..]: custom ids. One call a batch a take, not one a job.
+_ANSWERED_LUA = """
+local out = {}
+for i = 2, #ARGV do
+  local found = redis.call('HEXISTS', KEYS[1], ARGV[i])
+  if found == 0 and ARGV[1] == '1' then found = redis.call('HEXISTS', KEYS[2], ARGV[i]) end
+  out[#out + 1] = found
+end
+return out
+"""
 
 
 @dataclass(frozen=True)
@@ -140,21 +150,26 @@ class Settler:
 
     def _already_done(self, rows: Sequence[Row]) -> set[str]:
         """Jobs whose result was written before a crash: a finished job never runs again."""
-        if not rows:
+        groups: dict[tuple[str, bool], list[Row]] = {}
+        for row in rows:
+            job = row.job
+            assert job is not None
+            if job.batch is not None:
+                escalates = bool(self.config.models[job.model].escalates_to)  # an escalated step is done too
+                groups.setdefault((job.batch, escalates), []).append(row)
+        if not groups:
             return set()
         with self.redis.pipeline(transaction=False) as pipe:
-            for row in rows:
-                job = row.job
-                assert job is not None
-                if job.batch is None:
-                    pipe.echo("")
-                elif self.config.models[job.model].escalates_to:  # an escalated step is done too
-                    keys = [self.keys.batch_results(job.batch), self.keys.batch_steps(job.batch)]
-                    self._answered(keys=keys, args=[job.custom_id], client=pipe)
-                else:
-                    pipe.hexists(self.keys.batch_results(job.batch), job.custom_id)
+            for (batch, escalates), members in groups.items():
+                keys = [self.keys.batch_results(batch), self.keys.batch_steps(batch)]
+                args = ["1" if escalates else "0", *(m.job.custom_id for m in members if m.job is not None)]
+                self._answered(keys=keys, args=args, client=pipe)
             found = pipe.execute(raise_on_error=False)  # a wrong-typed batch key reads as "not done"
-        return {row.raw.id for row, f in zip(rows, found, strict=True) if isinstance(f, int) and f}
+        done: set[str] = set()
+        for members, answer in zip(groups.values(), found, strict=True):
+            if isinstance(answer, list):
+                done.update(m.raw.id for m, f in zip(members, answer, strict=True) if f)
+        return done
 
     def _flags(self, batches: set[str]) -> dict[str, BatchFlags]:
         return {b: batch_flags(self.redis, self.keys, b) for b in batches}

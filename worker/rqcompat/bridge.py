@@ -32,7 +32,14 @@ from worker.rqcompat.decode import (
 )
 from worker.rqcompat.reclaim import Reclaim
 from worker.rqcompat.registration import Registration
-from worker.rqcompat.scripts import _RECOVER_LUA, _REQUEUE_LUA, _TAKE_GROUP_LUA, _TAKE_LUA, _UNSTICK_LUA
+from worker.rqcompat.scripts import (
+    _FINISH_LUA,
+    _RECOVER_LUA,
+    _REQUEUE_LUA,
+    _TAKE_GROUP_LUA,
+    _TAKE_LUA,
+    _UNSTICK_LUA,
+)
 
 _JOB_PREFIX = RQJob.redis_job_namespace_prefix
 
@@ -84,6 +91,7 @@ class RQBridge(Registration, Reclaim):
         self._recover = redis.register_script(_RECOVER_LUA)
         self._requeue = redis.register_script(_REQUEUE_LUA)
         self._unstick = redis.register_script(_UNSTICK_LUA)
+        self._finish = redis.register_script(_FINISH_LUA)
         self._seq = 0
         self.exec_id = f"{worker_name}.{self.incarnation}.0"
 
@@ -248,15 +256,10 @@ class RQBridge(Registration, Reclaim):
             for registry, members in ((self.finished[ref], finished), (self.failed[ref], failed)):
                 if members:
                     pipe.zadd(registry.key, members)
+            args: list[str | bytes | int] = [stamp, ttl_s, FAILED_FIELD]
             for job_id, error in done:
-                key = RQJob.key_for(job_id)
-                if error is None:
-                    pipe.hset(key, mapping={"status": "finished", "ended_at": stamp})
-                    pipe.hdel(key, FAILED_FIELD)
-                else:
-                    exc = zlib.compress(error.encode("utf-8", "replace"))
-                    pipe.hset(key, mapping={"status": "failed", "ended_at": stamp, "exc_info": exc, FAILED_FIELD: "1"})
-                pipe.expire(key, ttl_s)
+                args += [job_id, b"" if error is None else zlib.compress(error.encode("utf-8", "replace"))]
+            self._finish(keys=[_JOB_PREFIX], args=args, client=pipe)
             pipe.execute(raise_on_error=False)
 
     def clear_failed(self, ids: Sequence[str]) -> None:
