@@ -62,44 +62,39 @@ if triton is not None:
         y = (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
         tl.store(out + (token * H + h[:, None]) * D + d[None, :], y, mask=inside)
 
-    @triton.jit(do_not_specialize=["T", "F", "s_gate", "s_up"])
-    def _silu_mul_kernel(
-        gate, up, out, T, F, s_gate, s_up, ROWS: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr
-    ):  # fmt: skip
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
-        inside = (rows < T) & (cols < F)
-        g = tl.load(gate + rows * s_gate + cols, mask=inside, other=0.0).to(tl.float32)
-        u = tl.load(up + rows * s_up + cols, mask=inside, other=0.0).to(tl.float32)
+    @triton.jit(do_not_specialize=["F", "s_gate", "s_up"])
+    def _silu_mul_kernel(gate, up, out, F, s_gate, s_up, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < F
+        g = tl.load(gate + row * s_gate + cols, mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(up + row * s_up + cols, mask=inside, other=0.0).to(tl.float32)
         dtype = out.dtype.element_ty
         if LIBDEVICE:
             silu = libdevice.div_rn(g, 1.0 + libdevice.exp(-g)).to(dtype)
         else:  # the interpreter (numpy's exp and division are IEEE already)
             silu = (g / (1.0 + tl.exp(-g))).to(dtype)
-        tl.store(out + rows * F + cols, (silu.to(tl.float32) * u).to(dtype), mask=inside)
+        tl.store(out + row * F + cols, (silu.to(tl.float32) * u).to(dtype), mask=inside)
 
-    @triton.jit(do_not_specialize=["T", "N", "s_h", "s_d"])
-    def _add_rms_kernel(
-        h, delta, weight, h_out, x_out, T, N, s_h, s_d, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-        LIBDEVICE: tl.constexpr,
-    ):  # fmt: skip
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
-        cols = tl.arange(0, BLOCK)[None, :]
-        inside = (rows < T) & (cols < N)
+    @triton.jit(do_not_specialize=["N", "s_h", "s_d"])
+    def _add_rms_kernel(h, delta, weight, h_out, x_out, N, s_h, s_d, eps, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < N
         dtype = h_out.dtype.element_ty
-        a = tl.load(h + rows * s_h + cols, mask=inside, other=0.0).to(tl.float32)
-        b = tl.load(delta + rows * s_d + cols, mask=inside, other=0.0).to(tl.float32)
+        a = tl.load(h + row * s_h + cols, mask=inside, other=0.0).to(tl.float32)
+        b = tl.load(delta + row * s_d + cols, mask=inside, other=0.0).to(tl.float32)
         total = (a + b).to(dtype)  # the residual sum, rounded as eager's add rounds it
-        tl.store(h_out + rows * N + cols, total, mask=inside)
+        tl.store(h_out + row * N + cols, total, mask=inside)
         x = total.to(tl.float32)
-        mean = tl.sum(x * x, axis=1)[:, None] / N
+        mean = tl.sum(x * x, axis=0) / N
         if LIBDEVICE:  # noqa: SIM108 (a static branch on a constexpr)
             scale = libdevice.rsqrt(mean + eps)  # CUDA's rsqrtf, as torch's rms_norm kernel computes it
         else:
             scale = 1.0 / tl.sqrt(mean + eps)
         normed = (x * scale).to(dtype)
-        w = tl.load(weight + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(x_out + rows * N + cols, (w * normed.to(tl.float32)).to(dtype), mask=inside)
+        w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+        tl.store(x_out + row * N + cols, (w * normed.to(tl.float32)).to(dtype), mask=inside)
 
 
 class Launcher:
@@ -223,43 +218,18 @@ def rope_fits(qk: torch.Tensor) -> bool:
     return qk.stride(-1) == 1 and dim >= 2 and dim & (dim - 1) == 0
 
 
-# Measured on the H200 (graph-replayed, bf16, Qwen2.5-1.5B's 8,960 features, blocks of 1,024): an 8,192-token
-# prefill chunk took 134 us at a row a program and 110 us at two (more loads in flight a thread); a 256-row
-# decode step 4.7 against 6.0 us (half the programs: too few to fill the GPU). Outputs bit-equal either way.
-SILU_BLOCK = 1024
-SILU_PAIRED_FROM_ROWS = 1024
-
-
-def silu_rows(rows: int) -> int:
-    """Rows a SiLU x up program covers: two from prefill chunks' row counts up, else one."""
-    return 2 if rows >= SILU_PAIRED_FROM_ROWS else 1
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, rows_per_program: int | None = None) -> torch.Tensor:
-    """SiLU(gate) x up for same-shaped (..., F) tensors whose rows are evenly strided (views of a joint output);
-    `rows_per_program` (default: by the row count, `silu_rows`) only changes the launch, never the values."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) x up for same-shaped (..., F) tensors whose rows are evenly strided (views of a joint output)."""
     features = gate.shape[-1]
     g, u = gate.reshape(-1, features), up.reshape(-1, features)
     if g.stride(-1) != 1 or u.stride(-1) != 1:
         g, u = g.contiguous(), u.contiguous()
     out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
-    rows = g.shape[0]
-    per = rows_per_program or silu_rows(rows)
-    grid = (cdiv(rows, per), cdiv(features, SILU_BLOCK))
+    block = 1024
+    grid = (g.shape[0], cdiv(features, block))
     with on_device(gate.device):
-        SILU_MUL(
-            grid, g, u, out, rows, features, g.stride(0), u.stride(0), ROWS=per, BLOCK=SILU_BLOCK,
-            LIBDEVICE=not INTERPRETED,
-        )  # fmt: skip
+        SILU_MUL(grid, g, u, out, features, g.stride(0), u.stride(0), BLOCK=block, LIBDEVICE=not INTERPRETED)
     return out.view(gate.shape)
-
-
-# Rows a residual-add-and-RMSNorm program covers. Measured on the H200 (1,536 features, bf16): 36.3 -> 26.5 us at
-# an 8,192-token chunk and 2.8 -> 2.3 us at 256 rows, from one row a program to two (four: no better). Each row's
-# sum of squares is its own reduction: the values are the same either way. Wider rows keep one a program (two
-# rows of a wide block hold twice the registers: not measured).
-ADD_RMS_ROWS = 2
-ADD_RMS_PAIRED_UP_TO = 4096
 
 
 def add_rms(
@@ -273,12 +243,10 @@ def add_rms(
         a, b = a.contiguous(), b.contiguous()
     total = torch.empty(a.shape, dtype=h.dtype, device=h.device)
     normed = torch.empty_like(total)
-    rows, block = a.shape[0], next_power_of_2(features)
-    per = ADD_RMS_ROWS if block <= ADD_RMS_PAIRED_UP_TO else 1
     with on_device(h.device):
         ADD_RMS(
-            (cdiv(rows, per), 1), a, b, weight, total, normed, rows, features, a.stride(0), b.stride(0), eps,
-            ROWS=per, BLOCK=block, LIBDEVICE=not INTERPRETED,
+            (a.shape[0], 1), a, b, weight, total, normed, features, a.stride(0), b.stride(0), eps,
+            BLOCK=next_power_of_2(features), LIBDEVICE=not INTERPRETED,
         )  # fmt: skip
     return total.view(h.shape), normed.view(h.shape)
 
