@@ -150,25 +150,25 @@ class Settler:
 
     def _already_done(self, rows: Sequence[Row]) -> set[str]:
         """Jobs whose result was written before a crash: a finished job never runs again."""
-        groups: dict[tuple[str, bool], list[Row]] = {}
+        # Per batch (and whether its model escalates: an escalated step is done too), (job id, custom id) pairs.
+        groups: dict[tuple[str, bool], list[tuple[str, str]]] = {}
         for row in rows:
             job = row.job
             assert job is not None
             if job.batch is not None:
-                escalates = bool(self.config.models[job.model].escalates_to)  # an escalated step is done too
-                groups.setdefault((job.batch, escalates), []).append(row)
+                escalates = bool(self.config.models[job.model].escalates_to)
+                groups.setdefault((job.batch, escalates), []).append((row.raw.id, job.custom_id))
         if not groups:
             return set()
         with self.redis.pipeline(transaction=False) as pipe:
             for (batch, escalates), members in groups.items():
                 keys = [self.keys.batch_results(batch), self.keys.batch_steps(batch)]
-                args = ["1" if escalates else "0", *(m.job.custom_id for m in members if m.job is not None)]
-                self._answered(keys=keys, args=args, client=pipe)
+                self._answered(keys=keys, args=["1" if escalates else "0", *(cid for _, cid in members)], client=pipe)
             found = pipe.execute(raise_on_error=False)  # a wrong-typed batch key reads as "not done"
         done: set[str] = set()
         for members, answer in zip(groups.values(), found, strict=True):
             if isinstance(answer, list):
-                done.update(m.raw.id for m, f in zip(members, answer, strict=True) if f)
+                done.update(job_id for (job_id, _), f in zip(members, answer, strict=True) if f)
         return done
 
     def _flags(self, batches: set[str]) -> dict[str, BatchFlags]:
