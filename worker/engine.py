@@ -59,9 +59,9 @@ class EngineStats:
     process_bytes: int | None  # CUDA: the process now, as the driver reports it
 
 
-# On a GPU the memory plan bounds a take (288 Laya rows at 6 GiB): the cap only lets a scoring take, which needs no
-# KV cache, hold more rows (fewer takes, each paying its fixed host work once). On a CPU a batch is not free: a
-# 512-row take of the demo models is ~30 s, which an interactive job would wait behind.
+# On a GPU the memory plan is what bounds a generation take (288 Laya rows at 6 GiB); the cap only stops takes that
+# a larger budget, or scoring (no KV cache), would let grow past it. On a CPU a batch is not free: a 512-row take
+# of the demo models is ~30 s, which an interactive job would wait behind.
 GPU_BATCH_ROWS = 512
 CPU_BATCH_ROWS = 256
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from worker.fastpath import pointwise
+from worker.fastpath.ops import KernelSwitch
 from worker.fastpath.pointwise import INTERPRETED, Launcher, cdiv, triton
 
 # Logits a program reads per iteration (bf16: 8 KiB), and programs a row: each row's vocabulary is cut into
@@ -99,11 +100,11 @@ class GreedyKernel:
     for good once it failed (logged once; `sampling.greedy_choice`'s torch path computes the same from then on)."""
 
     def __init__(self) -> None:
-        self.on = True
+        self.switch = KernelSwitch(on=True)
 
     def serves(self, logits: torch.Tensor) -> bool:
         return (
-            self.on
+            self.switch.on
             and logits.dim() == 2
             and logits.stride(-1) == 1
             and pointwise.available(logits.device, logits.dtype)
@@ -136,7 +137,7 @@ class GreedyKernel:
             )  # fmt: skip
 
         if not pointwise.launched(launch, logits.device, "greedy-choice"):
-            self.on = False
+            self.switch.on = False
             return None
         return token, logprob, finite
 
