@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from worker.policy import QueueState, choose_model
+from worker.settings import WorkerSettings
 
 Q = QueueState
 
@@ -47,6 +48,11 @@ CASCADE = {"laya": "kev", "kev": None}
         ("kev", Q(107, 10, take=160), Q(0, 0, take=256), "kev"),  # nothing to feed kev: stay
         ("laya", Q(107, 1500, take=160), Q(176, 50, take=256), "kev"),  # kev starving: served whatever feeds it
         ("kev", Q(107, 10, take=160), Q(300, 50, take=256), "laya"),  # laya full: the old rule already switched
+        # Kev's full take waits for laya's rest, whose escalations join it; not past max_wait, not when empty.
+        ("laya", Q(200, 10, take=176), Q(176, 50, take=256), "laya"),
+        ("laya", Q(200, 1500, take=176), Q(176, 50, take=256), "kev"),
+        ("laya", Q(200, 10, take=176), Q(0, 0, take=256), "kev"),
+        ("laya", Q(200, 10, take=176), Q(300, 50, take=256), "laya"),
     ],
 )
 def test_feeders_first(current, kev, laya, expected) -> None:
@@ -77,12 +83,27 @@ def test_feeders_first_saves_a_partial_take() -> None:
     assert drain(None) == 4
 
 
-def test_never_starves_under_constant_load() -> None:
-    """Simulated: laya always has fresh work; kev's single job must still be served once it waits."""
-    current, waited = "laya", 0.0
-    for _ in range(100):
-        current = choose_model(current, {"kev": Q(1, waited), "laya": Q(500, 10)}, max_wait_ms=1000)
-        if current == "kev":
-            break
-        waited += 200
-    assert current == "kev" and waited <= 1200
+@pytest.mark.parametrize("kev_take", [96, 128, 160, 176, 208, 256])
+@pytest.mark.parametrize("share", [0.1, 0.238, 0.4])
+def test_a_cascade_drains_in_the_fewest_target_takes_whatever_the_take_sizes(kev_take: int, share: float) -> None:
+    """Simulated drain of 2,000 laya rows (takes of 288, then 256; 0.6 s a take) with a share escalating into
+    kev (1.2 s a take), under the worker's default max wait (10 s): kev runs ceil(follow-ups / its take) takes
+    whatever its take size."""
+    heads: dict[str, list[float]] = {"laya": [0.0] * 2000, "kev": []}  # each queued row's enqueue time
+    take, cost = {"laya": 288, "kev": kev_take}, {"laya": 0.6, "kev": 1.2}
+    now, current, kev_takes, escalated = 0.0, None, 0, 0
+    while heads["laya"] or heads["kev"]:
+        queues = {
+            m: Q(len(q), (now - q[0]) * 1000 if q else 0.0, take=take[m]) for m, q in heads.items()
+        }  # fmt: skip
+        current = choose_model(current, queues, max_wait_ms=WorkerSettings().max_wait_ms, escalates_to=CASCADE)
+        n = min(take[current], len(heads[current]))
+        del heads[current][:n]
+        now += cost[current]
+        if current == "laya":
+            follow = round((2000 - len(heads["laya"])) * share) - escalated
+            heads["kev"] += [now] * follow
+            escalated += follow
+            take["laya"] = 256
+        kev_takes += current == "kev"
+    assert kev_takes == -(-escalated // kev_take)
