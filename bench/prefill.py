@@ -146,6 +146,7 @@ def memory_figures(engine: Engine, jobs: list[Job], peak_above_mib: int) -> dict
     decoder = engine.decoders[engine.config.models[jobs[0].model].base]
     base = engine.base_for(jobs[0].model)
     vocab = base.shape.vocab
+    one = len({j.model for j in jobs}) == 1  # the mixed workload runs both adapters: a second layer's copy planned
     return {
         "peak_above_start_mib": peak_above_mib,
         "held_mib": round(decoder.prefill.held_bytes / MIB),
@@ -153,7 +154,11 @@ def memory_figures(engine: Engine, jobs: list[Job], peak_above_mib: int) -> dict
         "chunk_tokens_run": decoder.prefill.last_tokens,
         "planned_chunk_mib": round(
             prefill_chunk_bytes(
-                base.shape, chunk_tokens=decoder.prefill.last_tokens, input_tokens=512, flash=decoder.own_prefill
+                base.shape,
+                chunk_tokens=decoder.prefill.last_tokens,
+                input_tokens=512,
+                flash=decoder.own_prefill,
+                one_adapter=one,
             )
             / MIB
         ),

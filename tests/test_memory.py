@@ -324,6 +324,25 @@ def test_the_loops_prefill_chunk_is_set_aside_as_measured_and_the_models_forward
     per_token = shape.prefill_bytes_per_token() + shape.kv_bytes_per_token()
     attention = (4096 // 256) * shape.attention_bytes_per_row(256)
     assert theirs == int((4096 * per_token + weights + attention) * SAFETY_FACTOR)
+    # Rows of one adapter: its LoRA merges into the dequantised buffers in place, one layer's weights at a time
+    # (the measured ~340 MiB held one layer's ~89 MiB); the model's own forward keeps its figure.
+    one = prefill_chunk_bytes(shape, chunk_tokens=4096, input_tokens=256, flash=True, one_adapter=True)
+    assert one == ours - shape.layer_weight_bytes() and one > 340 * MIB
+    assert prefill_chunk_bytes(shape, chunk_tokens=4096, input_tokens=256, flash=False, one_adapter=True) == theirs
+
+
+def test_a_take_of_one_adapter_plans_more_rows_in_the_same_memory_by_one_layers_weights() -> None:
+    """The set-aside saved (one layer's dequantised weights) goes to rows, for generation and scoring alike."""
+    shape = ModelShape.from_dict(QWEN_1_5B)
+    common = dict(
+        budget_bytes=6 * GIB, resident_bytes=1500 * MIB, input_tokens=256, new_tokens=32, prefill_chunk_tokens=4096,
+        flash_prefill=True, prefill_group_tokens=GROUP_TOKENS, choice_chunk_rows=64, cache_tokens=384,
+        max_rows_cap=4096,
+    )  # fmt: skip
+    two, one = plan_batch(shape, **common), plan_batch(shape, one_adapter=True, **common)
+    assert one.free_bytes - two.free_bytes == shape.layer_weight_bytes()
+    assert one.max_rows > two.max_rows
+    assert one.take_bytes(one.max_rows) <= one.free_bytes < one.take_bytes(one.max_rows + 1)
 
 
 @pytest.mark.parametrize("free_mib", [0, 300, 503, 900, 1400, 3000])

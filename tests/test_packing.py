@@ -89,3 +89,28 @@ def test_the_probe_for_the_rows_to_come_releases_nothing() -> None:
     assert [len(p) for p in parts] == [67, 67, 66]
     probes = [kw for kw in calls if "rows_wanted" not in kw]
     assert probes and all(kw.get("may_release") is False for kw in probes)
+
+
+@pytest.mark.parametrize(
+    ("adapters", "one"), [(["kev"], True), ([None], True), (["kev", "laya"], False), (["kev", None], False)]
+)
+@pytest.mark.parametrize("scoring", [False, True])
+def test_rows_of_one_adapter_are_planned_as_such_and_a_mixed_take_never_is(
+    adapters: list[str | None], one: bool, scoring: bool
+) -> None:
+    """The plan learns whether every row of the take runs on one adapter (its prefill then holds one layer's
+    weights, the LoRA merged in place), for every sub-batch and probe: a take topped up with another model's rows
+    (or bare base rows beside adapter rows) is planned with the second layer's copy."""
+    calls: list[dict[str, Any]] = []
+
+    def plan(model: str, *, input_tokens: int, **kw: Any) -> BatchPlan:
+        calls.append(kw)
+        return BatchPlan(max_rows=40, kv_bytes_per_token=1, bytes_per_row=1, free_bytes=1)
+
+    group = [
+        Item(index=i, job=Job(custom_id=f"r{i}", model="kev", prompt="x"), ids=[1] * 10, max_new=8, adapter=a)
+        for i, a in enumerate(adapters * 50)
+    ]
+    parts = list(pack(group, scoring=scoring, on_loop=True, plan=plan, choice_tokens=lambda job: 2))
+    assert sum(len(p) for p in parts) == len(group)
+    assert calls and all(kw["one_adapter"] is one for kw in calls)

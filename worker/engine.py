@@ -155,11 +155,13 @@ class Engine:
         may_release: bool = True,
         rows_wanted: int | None = None,
         scoring: bool = False,
+        one_adapter: bool = False,
     ) -> BatchPlan:
         """How many rows of this model fit the memory budget (default: its full input and output limits), with
         `sampled_rows` of them sampled (their draws need memory of their own) and `logprob_rows` reporting
         log-probabilities (their choice converts every row's logits to float32 at once); with `scoring`, rows
-        scoring `new_tokens` choice tokens inside the loop's prefill (no cache of their own).
+        scoring `new_tokens` choice tokens inside the loop's prefill (no cache of their own); with `one_adapter`,
+        rows all on one adapter (their prefill merges its LoRA in place: one layer's weights at a time).
 
         A take the loop's KV pool holds reuses it, so it is planned beside the pool and graphs as they are. Where
         releasing them would plan more than `RELEASE_GAIN` times the rows (a pool sized for another model's
@@ -181,6 +183,7 @@ class Engine:
                 released=released,
                 logprob_rows=logprob_rows,
                 scoring=scoring,
+                one_adapter=one_adapter,
             )
 
         planned = plan()
@@ -214,7 +217,9 @@ class Engine:
         self.refresh_memory()
         # A look: the take may be the other model's.
         on_loop = scored is not None and self._scores_on_loop(model)
-        plan = self.plan(model, input_tokens=typical, new_tokens=scored, may_release=False, scoring=on_loop)
+        plan = self.plan(
+            model, input_tokens=typical, new_tokens=scored, may_release=False, scoring=on_loop, one_adapter=True
+        )
         if self._logged_takes.get(model) != (plan.max_rows, typical, scored):
             self._logged_takes[model] = (plan.max_rows, typical, scored)
             # An operator's answer to "why this take size": what the budget left and what a row costs.

@@ -196,18 +196,26 @@ def most_rows(plan: BatchPlan, cap: int) -> int:
 
 
 def prefill_chunk_bytes(
-    shape: ModelShape, *, chunk_tokens: int, input_tokens: int, dtype_bytes: int = 2, flash: bool = False
+    shape: ModelShape,
+    *,
+    chunk_tokens: int,
+    input_tokens: int,
+    dtype_bytes: int = 2,
+    flash: bool = False,
+    one_adapter: bool = False,
 ) -> int:
     """What the static loop's chunked prefill sets aside for one chunk of `chunk_tokens` prompt tokens going
-    through a layer: its activations, and the layer's dequantised weights (two layers' worth: the weights merged
-    with one adapter's LoRA are a copy where a group also runs another adapter's chunks). Unplanned, the weights
-    OOMed long-prompt batches on the H200 under a 6 GiB budget.
+    through a layer: its activations, and the layer's dequantised weights -- two layers' worth: the weights merged
+    with one adapter's LoRA are a copy where a group also runs another adapter's chunks (or, scoring, keeps the
+    plain weights for its tail), unless `one_adapter` (every row on one adapter, or all on none, in the loop's own
+    prefill: the LoRA merges into the dequantised buffers themselves). Unplanned, the weights OOMed long-prompt
+    batches on the H200 under a 6 GiB budget.
 
     `flash`: the loop's own prefill (worker/fastpath/prefill.py), whose K/V go straight into the planned cache and
     whose attention builds no score matrix; its transients were measured (`PREFILL_MARGIN`). Otherwise the
     model's own forward: its chunk's K/V in a cache of its own, copied over, and (without flash attention) the
     score matrices of the chunk's rows, all with the estimates' safety factor."""
-    weights = 2 * shape.layer_weight_bytes(dtype_bytes)
+    weights = (1 if flash and one_adapter else 2) * shape.layer_weight_bytes(dtype_bytes)
     activations = chunk_tokens * shape.prefill_bytes_per_token(dtype_bytes)
     if flash:
         return int(activations * PREFILL_MARGIN) + weights
@@ -256,6 +264,7 @@ def plan_batch(
     graph_row_slack: float = 1.0,
     logprob_rows: int = 0,
     scored_in_prefill: bool = False,
+    one_adapter: bool = False,
 ) -> BatchPlan:
     """The largest number of rows of `input_tokens + new_tokens` that fits in what the budget leaves.
 
@@ -285,7 +294,9 @@ def plan_batch(
     (worker/fastpath/scoring.py): no cache, no decode step, no logits held for the take -- a group's tail (at
     most a chunk's tokens) runs after its chunks in a chunk's activations, and its LM head after the group's
     layers, in the same set-aside -- only the group's held states (prompts, their K/V of a layer, and choices)
-    and each row's picked log-probabilities."""
+    and each row's picked log-probabilities.
+    `one_adapter`: every row runs on one adapter (or none): the prefill's set-aside holds one layer's weights,
+    not two (`prefill_chunk_bytes`)."""
     free = budget_bytes - resident_bytes - reserve_bytes
     # Sampled rows draw in a fixed number of slots (not per row of the batch): a fixed cost, with the margin.
     free -= int(sampler_slots * shape.sampling_bytes_per_slot() * SAFETY_FACTOR)
@@ -297,7 +308,7 @@ def plan_batch(
     else:
         free -= prefill_chunk_bytes(
             shape, chunk_tokens=prefill_chunk_tokens, input_tokens=input_tokens, dtype_bytes=dtype_bytes,
-            flash=flash_prefill,
+            flash=flash_prefill, one_adapter=one_adapter,
         )  # fmt: skip
         held_row = held_cap = 0
         if prefill_group_tokens is not None:

@@ -43,18 +43,22 @@ def pack(
     model = items[0].job.model
     on_loop = scoring and on_loop
     ordered = sorted(items, key=lambda it: len(it.ids))
+    # Rows of one adapter (or none) merge its LoRA into the prefill's dequantised weights in place: a take that
+    # holds another model's rows too plans a second layer's copy (`memory.prefill_chunk_bytes`).
+    one = len({it.adapter for it in items}) <= 1
 
     def fitting(longest: int, span: int, new: int, draws: int, reporting: int, per_item: int, **kw: Any) -> int:
         """The rows the plan lets a sub-batch of these figures hold."""
         if on_loop:
             # The loop scores a row's choices beside its prompt inside its prefill: planned as a row of the
             # prompt plus all its choices' tokens (the prompt once, not once per choice), with no cache.
-            return plan(model, input_tokens=longest, new_tokens=span, scoring=True, **kw).max_rows
+            return plan(model, input_tokens=longest, new_tokens=span, scoring=True, one_adapter=one, **kw).max_rows
         if scoring:
             return plan(model, input_tokens=longest + 8, new_tokens=0).max_rows // per_item
         return plan(
-            model, input_tokens=longest, new_tokens=new, sampled_rows=draws, logprob_rows=reporting, **kw
-        ).max_rows
+            model, input_tokens=longest, new_tokens=new, sampled_rows=draws, logprob_rows=reporting,
+            one_adapter=one, **kw,
+        ).max_rows  # fmt: skip
 
     current: list[Item] = []
     span = new = sampled = asking = 0  # the chunk's most choice tokens, most new tokens, sampled and logprob rows

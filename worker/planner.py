@@ -196,13 +196,15 @@ class MemoryBudget:
         released: bool = False,
         logprob_rows: int = 0,
         scoring: bool = False,
+        one_adapter: bool = False,
     ) -> BatchPlan:
         """How many rows of `input_tokens` + `new_tokens` fit what is left of the budget, `sampled_rows` of them
         sampled (their draws need memory of their own) and `logprob_rows` reporting log-probabilities, on the
         base's static loop (`decoder`) or HF's path.
         `released`: as though the loop's KV pool and graphs were released first (the graphs' memory, not
         measured apart, still counted).
-        `scoring`: rows scoring `new_tokens` choice tokens inside the loop's prefill (no cache of their own)."""
+        `scoring`: rows scoring `new_tokens` choice tokens inside the loop's prefill (no cache of their own).
+        `one_adapter`: every row on one adapter (or none), its prefill holding one layer's weights at a time."""
         decoder = decoder if new_tokens > 0 else None
         # The KV pool and the graphs' pool are part of the held figure only where that was measured (CUDA).
         measured = decoder is not None and self.held_bytes is not None
@@ -231,6 +233,7 @@ class MemoryBudget:
             graph_row_slack=decoder.graphs.reuse_slack if decoder else 1.0,
             logprob_rows=logprob_rows,
             scored_in_prefill=scoring and decoder is not None,
+            one_adapter=one_adapter,
         )
         if decoder is None or scoring or plan.max_rows in ROW_BUCKETS:
             return plan  # scored rows run in no graph: no bucket to pad to
