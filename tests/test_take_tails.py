@@ -1,5 +1,5 @@
 """Which other queues top up a take's small tail (`Taker._tail_queues`): models on the same base whose whole
-queue fits the rest, never the queue the take's model escalates into (this take's follow-ups join it)."""
+queue fits the rest of the take, once the take's own queue ends in it."""
 
 from __future__ import annotations
 
@@ -26,11 +26,12 @@ def tails(model: str, depths: dict[str, int], *, taken: int, limit: int, **setti
         ("kev", {"kev": 100, "laya": 50}, 100, ["laya"]),  # kev's tail topped up with laya's whole queue
         ("kev", {"kev": 100, "laya": 200}, 100, []),  # laya's queue does not fit the rest
         ("kev", {"kev": 300, "laya": 50}, 256, []),  # kev's queue does not end in this take
-        ("laya", {"kev": 75, "laya": 176}, 176, []),  # laya escalates into kev: kev's tail waits for the follow-ups
+        ("laya", {"kev": 75, "laya": 176}, 176, ["kev"]),
+        ("laya", {"kev": 75, "laya": 300}, 256, []),
         ("laya", {"kev": 0, "laya": 176}, 176, []),
     ],
 )
-def test_a_take_is_topped_up_by_small_tails_of_models_it_does_not_feed(
+def test_a_take_whose_queue_ends_in_it_is_topped_up_by_whole_small_tails(
     model: str, depths: dict[str, int], taken: int, expected: list[str]
 ) -> None:
     assert tails(model, depths, taken=taken, limit=256) == expected

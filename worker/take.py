@@ -72,19 +72,14 @@ class Taker:
 
     def _tail_queues(self, ref: QueueRef, n: int, limit: int, states: dict[QueueRef, QueueState]) -> list[QueueRef]:
         """The same lane of models on the same base whose whole queue fits the rest of this take, once this
-        queue ends in it (a small tail): mixing them saves a switch for a few rows. Not the queue this model
-        escalates into: this take's follow-ups join it, and its tail waits for them (topped up with it, the last
-        Laya take of nightly-2000 decoded Kev's 128 steps for 251 rows, and its follow-ups took a Kev take of
-        their own)."""
+        queue ends in it (a small tail): mixing them saves a switch for a few rows."""
         if not self.settings.mixed_tails or n >= limit or states[ref].depth > n:
             return []
         out, room = [], limit - n
-        fed = self.config.models[ref.model].escalates_to
         for other in self.config.names:
             tail = QueueRef(other, ref.lane)
             depth = states[tail].depth
-            joins = other != ref.model and other != fed and self.config.shares_base(ref.model, other)
-            if joins and 0 < depth <= room:
+            if other != ref.model and self.config.shares_base(ref.model, other) and 0 < depth <= room:
                 out.append(tail)
                 room -= depth
         return out
