@@ -309,7 +309,8 @@ def test_the_take_follows_the_prompt_lengths_last_seen(tiny_models: Path) -> Non
     engine.run([Job(custom_id="long", model="kev", prompt="loan income debt " * 150, max_new_tokens=1)])
     longest = engine._longest_prompt["kev"]
     assert longest > 256
-    assert engine.capacity("kev") == engine.plan("kev", input_tokens=longest).max_rows < before
+    # A take of one model is planned as rows of one adapter (`memory.prefill_chunk_bytes`).
+    assert engine.capacity("kev") == engine.plan("kev", input_tokens=longest, one_adapter=True).max_rows < before
     engine.run([Job(custom_id="short", model="kev", prompt="hi", max_new_tokens=1)])
     assert engine.capacity("kev") == before  # never planned below the typical prompt
 
@@ -344,9 +345,10 @@ def test_after_a_batch_that_only_scored_the_take_is_sized_for_scored_rows(tiny_m
     run([Job(custom_id="g", model="kev", prompt="hi", max_new_tokens=1)])
     generating = engine.capacity("kev")
     run(scored)
-    scoring = engine.plan("kev", input_tokens=longest, new_tokens=span, scoring=True).max_rows
+    scoring = engine.plan("kev", input_tokens=longest, new_tokens=span, scoring=True, one_adapter=True).max_rows
     assert engine.capacity("kev") == scoring > generating
-    assert engine.capacity("laya") == engine.plan("laya", input_tokens=256).max_rows  # another model: as it was
+    as_it_was = engine.plan("laya", input_tokens=256, one_adapter=True).max_rows
+    assert engine.capacity("laya") == as_it_was  # another model
     run([*scored, Job(custom_id="g", model="kev", prompt="hi", max_new_tokens=1)])  # both kinds
     assert engine.capacity("kev") == generating
     run(scored)
