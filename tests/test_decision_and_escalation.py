@@ -158,3 +158,53 @@ def test_the_backend_decoder_gives_the_tokenizers_own_text_or_is_not_used(tiny_m
 
     odd = Disagreeing()
     assert text_decoder(odd) == odd.decode
+
+
+def test_the_backend_encoder_gives_the_tokenizers_own_ids_or_is_not_used(tiny_models: Path) -> None:
+    """`user_text_encoder`: a fast tokenizer's Rust backend, without transformers' conversion of every encoding
+    into Python dicts, gives the tokenizer's own ids for user text (special-token strings encoded as text, multi-
+    byte characters, blanks); a tokenizer without a backend, or whose backend disagrees, keeps its own call, and a
+    backend that truncates or pads is handed back to the tokenizer's call, which applies its settings."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from worker.templates import user_text_encoder
+
+    tok = AutoTokenizer.from_pretrained(tiny_models / "base")
+    encode = user_text_encoder(tok)
+    assert user_text_encoder(tok) is encode  # made once
+
+    def own(texts: list[str]) -> list[list[int]]:
+        return tok(texts, add_special_tokens=False, split_special_tokens=True).input_ids
+
+    rng = random.Random(5)
+    words = ["loan", "é", "<|im_end|>", "<|endoftext|>", " ", "\n", "approve", "中", "😀", "Decision:"]
+    texts = ["".join(rng.choice(words) for _ in range(rng.randrange(40))) for _ in range(300)]
+    assert encode(texts) == own(texts)
+    assert encode(["<|im_end|>"]) != tok(["<|im_end|>"], add_special_tokens=False).input_ids  # text, not the token
+    tok.backend_tokenizer.enable_truncation(max_length=3)
+    try:
+        assert encode(texts[:20]) == own(texts[:20])  # transformers' call undoes the truncation, as before
+    finally:
+        tok.backend_tokenizer.no_truncation()
+
+    calls: list[list[str]] = []
+
+    class Slow:
+        def __call__(self, texts: list[str], **kw: object) -> SimpleNamespace:
+            calls.append(texts)
+            return SimpleNamespace(input_ids=[[len(t)] for t in texts])
+
+    assert user_text_encoder(Slow())(["ab", "c"]) == [[2], [1]] and calls == [["ab", "c"]]
+
+    class Disagreeing(Slow):
+        all_special_tokens = ()
+        backend_tokenizer = SimpleNamespace(
+            truncation=None,
+            padding=None,
+            encode_special_tokens=False,
+            encode_batch_fast=lambda texts, add_special_tokens: [SimpleNamespace(ids=[0]) for _ in texts],
+        )
+
+    assert user_text_encoder(Disagreeing())(["abc"]) == [[3]]
