@@ -61,11 +61,12 @@ def test_every_sub_batch_still_fits_its_plan_when_longer_rows_fit_fewer() -> Non
 
 
 def test_no_even_cut_where_the_longest_rows_to_come_fit_fewer_than_an_even_share() -> None:
-    """100 short rows under a plan of 100 and one long row under a plan of 49: greedy packing needs 2 sub-batches
-    ([100, 1]); cutting the short rows evenly (51 + 50) would leave the long row needing a third."""
+    """100 short rows under a plan of 100 and one long row under a plan of 49: 2 sub-batches; cutting the short rows
+    evenly (51 + 50) would leave the long row needing a third. Where the plan's own cut comes, the rows before it are
+    balanced against the rows after it as far as those fit (52 + 49, not 100 + 1)."""
     lengths = [100] * 100 + [900]
     rows_for = lambda n: 100 if n < 500 else 49  # noqa: E731
-    assert sizes(items(lengths), rows_for) == [100, 1]
+    assert sizes(items(lengths), rows_for) == [52, 49]
     probes = 0
 
     def plan(model: str, *, input_tokens: int, **kw: Any) -> BatchPlan:
@@ -74,7 +75,28 @@ def test_no_even_cut_where_the_longest_rows_to_come_fit_fewer_than_an_even_share
         return plan_of(rows_for)(model, input_tokens=input_tokens)
 
     list(pack(items(lengths), scoring=False, on_loop=True, plan=plan, choice_tokens=lambda j: 0))
-    assert probes == 1  # asked once for the sub-batch, not again for every row after it
+    assert probes == 1  # asked once (the balance at the cut asks the same), not again for every row after it
+
+
+@pytest.mark.parametrize(
+    ("lengths", "rows_for", "expected"),
+    [
+        # The plan shrinks by a few rows past a cache bucket: 189 + 3 left the 3 decoding alone on a graph of theirs.
+        ([300] * 189 + [420] * 3, lambda n: 192 if n < 400 else 189, [96, 96]),
+        # The rows after the cut fit only a few more than they are: the cut moves only as far as they fit.
+        ([100] * 150 + [900] * 10, lambda n: 150 if n < 500 else 20, [140, 20]),
+        # Rows after the cut as many as before it: nothing to balance.
+        ([100] * 50 + [900] * 50, lambda n: 100 if n < 500 else 50, [50, 50]),
+    ],
+)
+def test_a_cut_where_the_plan_shrinks_is_balanced_against_the_rows_after_it(
+    lengths: list[int], rows_for: Any, expected: list[int]
+) -> None:
+    parts = list(pack(items(lengths), scoring=False, on_loop=True, plan=plan_of(rows_for), choice_tokens=lambda j: 0))
+    assert [len(p) for p in parts] == expected
+    assert [it.index for p in parts for it in p] == list(range(len(lengths)))  # every row once, in length order
+    for part in parts:
+        assert len(part) <= rows_for(max(len(it.ids) for it in part))
 
 
 def test_the_probe_for_the_rows_to_come_releases_nothing() -> None:
