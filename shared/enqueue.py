@@ -96,7 +96,12 @@ def enqueue_absent(
         with redis.pipeline() as pipe:
             try:
                 pipe.watch(*names)
-                exists = [pipe.exists(n) for n in names]
+                # Read in one round trip on another connection (the watching one answers one command at a time,
+                # a round trip per follow-up): WATCH still fails the transaction if a key changes after it.
+                with redis.pipeline(transaction=False) as look:
+                    for name in names:
+                        look.exists(name)
+                    exists = look.execute()
                 fresh = [e for e, found in zip(entries, exists, strict=True) if not found]
                 if not fresh:
                     return []
