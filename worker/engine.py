@@ -331,17 +331,21 @@ class Engine:
         self._scored_tokens.update({m: tokens for m, tokens in scored.items() if m not in other})
 
     def _log_take(self, chunk: list[Item], scoring: bool) -> None:
-        """CUDA: a sub-batch's allocator peak beside the cap (see `MemoryBudget.take_peak`)."""
+        """CUDA: a sub-batch's allocator peak beside the cap (see `MemoryBudget.take_peak`), and what stayed
+        allocated after it."""
         peak = self.memory.take_peak()
         if peak is None:
             return
         longest = max(len(it.ids) for it in chunk)
         decoder = self.decoders.get(self.config.models[chunk[0].job.model].base)
+        models = {it.job.model for it in chunk}
         chunks = f"; prefill chunks of {decoder.prefill.last_tokens} tokens" if decoder and decoder.own_prefill else ""
         log.info(
-            "take: %d %s rows (%s, prompts up to %d tokens): allocator peak %d MiB, cap %d MiB, headroom %d MiB%s",
-            len(chunk), "+".join(sorted({it.job.model for it in chunk})), "scoring" if scoring else "generation",
-            longest, peak.peak_bytes // MIB, peak.cap_bytes // MIB, peak.headroom_bytes // MIB, chunks,
+            "take: %d %s rows (%s, prompts up to %d tokens): allocator peak %d MiB, cap %d MiB, headroom %d MiB, "
+            "%d MiB allocated after it%s",
+            len(chunk), "+".join(sorted(models)), "scoring" if scoring else "generation", longest,
+            peak.peak_bytes // MIB, peak.cap_bytes // MIB, peak.headroom_bytes // MIB,
+            self.memory.allocated_bytes() // MIB, chunks,
         )  # fmt: skip
 
     def _calibrated(self, job: Job, out: RowOutput) -> RowOutput:

@@ -253,6 +253,10 @@ class MemoryBudget:
         free = self.plannable_bytes - self.reserve_bytes - allocated - self.pooled_bytes
         return prefill_chunk_tokens_within(shape, free, held_tokens=held_tokens, dtype_bytes=dtype_bytes)
 
+    def allocated_bytes(self) -> int:
+        """CUDA: what live tensors hold now (0 elsewhere)."""
+        return int(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else 0
+
     def process_bytes(self) -> int | None:
         """CUDA: the process now, as the driver reports it."""
         return measure(self.device).driver_bytes if self.device.type == "cuda" else None
