@@ -8,7 +8,6 @@ pick a lane and model (worker.lanes, worker.policy), take up to N jobs atomicall
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 import threading
@@ -123,11 +122,6 @@ class BatchWorker:
                 self.health.stop()
 
     def _work(self) -> WorkerStats:
-        # Everything alive now -- the models, torch's and transformers' modules, compiled kernels -- lives as long as
-        # the process: out of the garbage collector's sight, a full collection (which the takes' short-lived jobs
-        # and results set off now and then) scans only what came after, not millions of objects while the GPU idles.
-        gc.collect()
-        gc.freeze()
         self.presence.arrive()
         notifier = None
         if self.settings.notify_allow:
