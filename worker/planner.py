@@ -139,7 +139,7 @@ class MemoryBudget:
     def count_resident(self, models: Iterable[Any]) -> None:
         """What the loaded models hold (CUDA: everything allocated now)."""
         if self.device.type == "cuda":
-            self.resident_bytes = int(torch.cuda.memory_allocated(self.device))
+            self.resident_bytes = self.allocated_bytes()
         else:
             self.resident_bytes = sum(m.get_memory_footprint() for m in models)
 
@@ -164,7 +164,7 @@ class MemoryBudget:
         if self.device.type != "cuda":
             return
         self.held_bytes = held_bytes(self.device)
-        self.pooled_bytes = max(0, self.held_bytes - int(torch.cuda.memory_allocated(self.device)))
+        self.pooled_bytes = max(0, self.held_bytes - self.allocated_bytes())
         # Kernels for new shapes (flash attention, cuBLAS) load into the context as batches come: the measured
         # H200 process grew past the budget by 10 MiB with the cap set only at start and after the warm-up.
         outside = measure(self.device).outside_allocator_bytes
@@ -249,7 +249,7 @@ class MemoryBudget:
         carry margins; a take may hold fewer rows than fit). Elsewhere None."""
         if self.device.type != "cuda":
             return None
-        allocated = int(torch.cuda.memory_allocated(self.device))
+        allocated = self.allocated_bytes()
         free = self.plannable_bytes - self.reserve_bytes - allocated - self.pooled_bytes
         return prefill_chunk_tokens_within(shape, free, held_tokens=held_tokens, dtype_bytes=dtype_bytes)
 
