@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # the kernel tables are written before anything else
     budget = parse_bytes(args.memory_budget) if args.device.startswith("cuda") else None
     config = load_config(
         write_config(model_dir(args.shape, device=args.device), device=args.device, name="prefill.toml")

@@ -151,11 +151,11 @@ def test_scoring_needs_no_kv_pool_and_leaves_the_loops_state_alone(engine: Engin
     assert decoder.pool.buffer is pool
 
 
-def test_a_chunk_counts_its_rows_choices_among_its_tokens(engine: Engine) -> None:
+def test_a_chunk_counts_its_rows_choices_among_its_tokens(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Short prompts with long choices: each prefill chunk's padded prompts and padded choices together stay
-    within the chunk's tokens (a chunk of a single row excepted), and so do each layer-major group's padded
-    choices (a group of a single chunk excepted), so the choices' activations are within what the planner sets
-    aside for a chunk."""
+    within the chunk's tokens (a chunk of a single row excepted), so the choices' activations are within what
+    the planner sets aside for a chunk; and a layer-major group's chunks, choices included, within the group's
+    tokens (a group of a single chunk excepted), so are its held states."""
     from worker.fastpath.prefill import Prefill
 
     prefill: Prefill = engine.decoders["default"].prefill
@@ -164,15 +164,15 @@ def test_a_chunk_counts_its_rows_choices_among_its_tokens(engine: Engine) -> Non
     for limit in (16, 40, 100):
         chunks = prefill.chunk_rows(rows, limit, tails)
         assert sorted(i for c in chunks for i in c) == list(range(len(rows)))
-        for chunk in chunks:
-            padded = len(chunk) * (max(len(rows[i].ids) for i in chunk) + max(tails[i] for i in chunk))
-            assert padded <= limit or len(chunk) == 1
-        # A group's tail (its rows' choices, padded to its longest) runs in a chunk's activations too.
+
+        def padded(chunk: list[int]) -> int:
+            return len(chunk) * (max(len(rows[i].ids) for i in chunk) + max(tails[i] for i in chunk))
+
+        assert all(padded(chunk) <= limit or len(chunk) == 1 for chunk in chunks)
+        monkeypatch.setattr(prefill, "group_tokens", 2 * limit)
         groups = prefill.layer_groups(rows, limit, tails)
-        assert [c for g in groups for c in g] == chunks
-        for group in groups:
-            members = [i for c in group for i in c]
-            assert len(members) * max(tails[i] for i in members) <= limit or len(group) == 1
+        assert [c for g in groups for c in g] == chunks and len(groups) > 1
+        assert all(sum(map(padded, group)) <= 2 * limit or len(group) == 1 for group in groups)
 
 
 def reference_layout(rows: list[ScoreRow], span: int) -> tuple[torch.Tensor, ...]:
@@ -233,3 +233,4 @@ def test_the_choice_layout_built_at_once_is_the_token_by_token_one() -> None:
         fields = zip(host.rows, host.columns, host.targets, host.owners, strict=True)
         got = [(r, c, t, *owner) for r, c, t, owner in fields]
         assert got == [tuple(x) for x in scored.tolist()]
+

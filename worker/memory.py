@@ -118,15 +118,19 @@ class ModelShape:
         bfloat16, ~192 MiB for a group of 32,768 tokens."""
         return 2 * self.hidden * dtype_bytes + 2 * 8
 
+    def rotary_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """A token's own rotary cos and sin (a chunk with a tail keeps a table per row, not one row for all)."""
+        return 2 * self.head_dim * dtype_bytes
+
     def choice_held_bytes_per_token(self, row_tokens: int, dtype_bytes: int = 2) -> int:
         """What a choice token scored inside the prefill (worker/fastpath/scoring.py) holds while its group goes
-        through the layers: a prompt token's held states, its attention mask over its row's `row_tokens` (prompt
-        and choices; a byte each, for every query head of its KV head), its rotary cos and sin, its int64
-        token, position and scoring indices, and a token's K/V of one layer (the group's prompts' are kept for
-        the tail, which runs after them: bounded here at the dearer figure of a choice token)."""
-        mask = self.heads // self.kv_heads * row_tokens
-        kv = self.layer_kv_bytes_per_token(dtype_bytes)
-        return self.prefill_held_bytes_per_token(dtype_bytes) + mask + 2 * self.head_dim * dtype_bytes + 5 * 8 + kv
+        through the layers: a prompt token's held states, its additive attention mask over its row's
+        `row_tokens` (prompt and choices, the row aligned to 16 entries; one for every query head of its KV
+        head, in the compute dtype), its rotary cos and sin, and its int64 token, position and scoring indices
+        (a bound: a prompt token of a scored row holds less)."""
+        mask = self.heads // self.kv_heads * (row_tokens + 15) * dtype_bytes
+        rotary = self.rotary_bytes_per_token(dtype_bytes)
+        return self.prefill_held_bytes_per_token(dtype_bytes) + mask + rotary + 5 * 8
 
     def attention_bytes_per_row(self, input_tokens: int) -> int:
         """Prefill attention scores when SDPA falls back to the math kernel (a padding mask does that):
@@ -206,9 +210,9 @@ def prefill_chunk_bytes(
 ) -> int:
     """What the static loop's chunked prefill sets aside for one chunk of `chunk_tokens` prompt tokens going
     through a layer: its activations, and the layer's dequantised weights -- two layers' worth: the weights merged
-    with one adapter's LoRA are a copy where a group also runs another adapter's chunks (or, scoring, keeps the
-    plain weights for its tail), unless `one_adapter` (every row on one adapter, or all on none, in the loop's own
-    prefill: the LoRA merges into the dequantised buffers themselves). Unplanned, the weights OOMed long-prompt
+    with one adapter's LoRA are a copy where a group also runs another adapter's chunks, unless `one_adapter`
+    (every row on one adapter, or all on none, in the loop's own prefill: the LoRA merges into the dequantised
+    buffers themselves). Unplanned, the weights OOMed long-prompt
     batches on the H200 under a 6 GiB budget.
 
     `flash`: the loop's own prefill (worker/fastpath/prefill.py), whose K/V go straight into the planned cache and
@@ -291,10 +295,10 @@ def plan_batch(
     `graph_row_slack`: a captured graph of up to this many times a take's rows may serve it (its extra rows
     idle along, their first-token logits allocated too).
     `scored_in_prefill`: rows whose `new_tokens` choice tokens are scored inside the loop's own prefill
-    (worker/fastpath/scoring.py): no cache, no decode step, no logits held for the take -- a group's tail (at
-    most a chunk's tokens) runs after its chunks in a chunk's activations, and its LM head after the group's
-    layers, in the same set-aside -- only the group's held states (prompts, their K/V of a layer, and choices)
-    and each row's picked log-probabilities.
+    (worker/fastpath/scoring.py): no cache, no decode step, no logits held for the take -- each chunk's choices
+    run in its own layer steps (counted among its tokens), and the LM head after the group's layers, in the same
+    set-aside -- only the group's held states (prompts and choices, their masks and rotary tables) and each
+    row's picked log-probabilities.
     `one_adapter`: every row runs on one adapter (or none): the prefill's set-aside holds one layer's weights,
     not two (`prefill_chunk_bytes`)."""
     free = budget_bytes - resident_bytes - reserve_bytes
@@ -321,11 +325,11 @@ def plan_batch(
             held_row = input_tokens * per_token
             held_cap = max(prefill_group_tokens, prefill_chunk_tokens, input_tokens) * per_token
             if scored_in_prefill:
-                # Its rows' choices are held beside their prompts (whose K/V of a layer wait for them), and a
-                # group counts them among its tokens: bounded at the dearer choice token's figure.
+                # Its rows' choices are held beside their prompts (each prompt token with its own rotary table),
+                # and a group counts them among its tokens: bounded at the dearer choice token's figure.
                 row_tokens = input_tokens + new_tokens
                 choice = shape.choice_held_bytes_per_token(row_tokens, dtype_bytes)
-                held_row += input_tokens * shape.layer_kv_bytes_per_token(dtype_bytes) + new_tokens * choice
+                held_row += input_tokens * shape.rotary_bytes_per_token(dtype_bytes) + new_tokens * choice
                 held_cap = max(prefill_group_tokens, prefill_chunk_tokens, row_tokens) * choice
         if scored_in_prefill:
             plan = BatchPlan(

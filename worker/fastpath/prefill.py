@@ -16,10 +16,12 @@ norm) are held between layers. Bounding them by a group, not the whole take, cap
 planned per row past a group, they cost nightly-like takes ~12% of their rows. Should the loop's
 own prefill ever fail on a device, the model's own forward takes over from then on (with a log line).
 
-A group may carry a tail (`Tail`): tokens its rows run after their prompts, through each layer once the group's
-chunks went through it, on the same dequantised weights, reading each chunk's prompt K/V as the layer made them
--- choice scoring's choices (worker/fastpath/scoring.py), which then need no cache at all. One tail a group, not
-one a chunk: its few tokens a row cost a layer step's launches (~13, each host time) whatever their number.
+A chunk may carry a tail (`ChunkTail`): tokens its rows run after their prompts, in the chunk's own layer
+steps -- choice scoring's choices (worker/fastpath/scoring.py), which then need no cache at all. Its tokens
+sit after the chunk's padded prompts in the same tensors, so every projection, norm and MLP serves both in one
+launch; only attention splits: the prompts' queries run causal flash attention over the prompts as in any
+chunk, the tail's queries one masked attention over the prompts and the tail (a tail of its own beside each
+group paid a layer step's ~20 launches a chunk more, each tens of microseconds of host time).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from worker.fastpath.graphs import KV
 from worker.fastpath.ops import Ops, causal_attention, prefill_attention
@@ -149,11 +152,43 @@ def row_masks(part: Sequence[PromptRow], dtype: torch.dtype, device: torch.devic
 
 
 @dataclass(frozen=True)
+class ChunkTail:
+    """Tokens a chunk's rows run after their prompts (their columns after the chunk's padded prompts), and
+    what they attend to. Each tail token sees its row's prompt (real tokens only) and, causally, the earlier
+    tokens of its own run (a choice: its positions restart after the prompt for each choice of a row)."""
+
+    tokens: np.ndarray  # (rows, T) on the host, built into the chunk's ids
+    positions: np.ndarray  # (rows, T) each token's rotary position
+    # (rows, 1, groups x T, span + T): the tail's queries grouped by KV head (the query heads sharing a KV head
+    # become that head's query rows, as in a decode step), an additive mask in the compute dtype (0 or -inf)
+    # built once for every layer -- a bool mask was converted, and padded to the memory-efficient kernel's
+    # alignment, on every call. A view of a buffer whose rows are `MASK_ALIGN`-aligned.
+    mask: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+class Tails(Protocol):
+    """A take's tails (choice scoring): one per chunk, and what is done with them after the last layer."""
+
+    def for_chunk(self, members: list[int], span: int) -> ChunkTail:
+        """The tail of the chunk of rows `members` (indices into the take), their prompts padded to `span`."""
+        ...
+
+    def finish(self, chunks: Sequence[Chunk], finals: Sequence[torch.Tensor]) -> None:
+        """After the last layer: a group's chunks and each one's final normed hidden states (rows, span + T,
+        hidden)."""
+        ...
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One prefill chunk: its rows of the batch (a slice, or an index tensor) and where their K/V go."""
 
     where: slice | torch.Tensor
-    ids: torch.Tensor  # (rows, span) right-padded prompt tokens
+    ids: torch.Tensor  # (rows, span) right-padded prompt tokens (then the tail's, if any)
     rows: torch.Tensor  # (rows, 1) the batch rows, for the cache writes
     columns: torch.Tensor  # (rows, span) the cache column of each token
     last: torch.Tensor  # (rows,) each row's last prompt token
@@ -161,6 +196,12 @@ class Chunk:
     # Rows of a slice: `columns` as a (rows, kv_heads, span, head_dim) view, what a scatter along the cache's
     # columns takes (else None: the writes index rows and columns).
     slots: torch.Tensor | None = None
+    tail: ChunkTail | None = None
+
+    @property
+    def span(self) -> int:
+        """The padded prompts' length (the tail's tokens after it)."""
+        return int(self.ids.shape[1]) - (0 if self.tail is None else self.tail.width)
 
 
 @dataclass(frozen=True)
@@ -176,63 +217,17 @@ class Hidden:
 
 
 @dataclass(frozen=True)
-class PromptKV:
-    """A chunk's prompt keys and values as a layer made them: (rows, kv_heads, span, head_dim), each row's real
-    tokens first."""
+class Rotary:
+    """A chunk's cos and sin, computed once for all its layers: its rows are right-padded, every one at
+    positions 0 .. span - 1, so one row of positions serves them all (broadcast) -- unless the chunk has a
+    tail, whose positions follow each row's own prompt."""
 
-    k: torch.Tensor
-    v: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Step:
-    """A chunk's way through one layer: its hidden states after it, and the prompt K/V it made there."""
-
-    hidden: Hidden
-    kv: PromptKV
-
-
-class Tail(Protocol):
-    """Tokens a group's rows run after their prompts, through every layer after the group's chunks and on the
-    same weights: choice scoring's choices (worker/fastpath/scoring.py). Their queries read the prompts' K/V as
-    the layer made them, so nothing is cached: a take's rows need no KV pool. Its rows are the group's chunks'
-    rows, chunk after chunk."""
-
-    @property
-    def masks(self) -> Masks:
-        """Its rows' LoRA selection, for weights without a LoRA merged (`row_masks`)."""
-        ...
+    cos: torch.Tensor  # (1, span, head_dim), with a tail (rows, span + T, head_dim)
+    sin: torch.Tensor
 
     @property
     def nbytes(self) -> int:
-        """What the tail's own tensors hold on the device while its group runs (beside its hidden states)."""
-        ...
-
-    def embedded(self) -> Hidden:
-        """The tail's hidden states entering the first layer."""
-        ...
-
-    def layer(self, i: int, layer: Layer, held: Hidden, kv: Sequence[PromptKV], weights: Dense, masks: Masks) -> Hidden:
-        """The tail through layer `i`, beside each chunk's prompt keys and values there (`kv`, in chunk order)."""
-        ...
-
-    def finish(self, held: Hidden, last: torch.Tensor) -> None:
-        """After the last layer: the tail's final hidden states, and `last`, each row's last prompt token's
-        (the group's rows in the tail's order)."""
-        ...
-
-
-# A group's tail, from its chunks' rows (indices into the take) and each chunk's padded prompt length.
-TailFor = Callable[[list[list[int]], list[int]], Tail]
-
-
-@dataclass(frozen=True)
-class Rotary:
-    """A chunk's cos and sin, computed once for all its layers: its rows are right-padded, every one at
-    positions 0 .. span - 1, so one row of positions serves them all (broadcast)."""
-
-    cos: torch.Tensor  # (1, span, head_dim)
-    sin: torch.Tensor
+        return self.cos.nbytes + self.sin.nbytes
 
 
 @dataclass(frozen=True)
@@ -256,25 +251,18 @@ class Passes:
                 plain.append(j)
         return cls(plain=tuple(plain), merged={a: tuple(js) for a, js in sorted(merged.items())})
 
-    @property
-    def single(self) -> bool:
-        """Whether every chunk runs on one adapter's merged weights (nothing needs the plain ones after them)."""
-        return not self.plain and len(self.merged) == 1
-
-    def weights(
-        self, layer: Layer, chunks: Sequence[Chunk], dense: Dense, *, keep_plain: bool = False
-    ) -> Iterator[tuple[int, Dense, Masks]]:
+    def weights(self, layer: Layer, chunks: Sequence[Chunk], dense: Dense) -> Iterator[tuple[int, Dense, Masks]]:
         """(chunk, weights, LoRA masks) for every chunk through `layer`, on its weights `dense` (dequantised
         once): the plain chunks first, then each adapter's chunks on the weights with its LoRA merged -- a copy
         for all but the last adapter, which merges into the dequantised buffers themselves, no longer needed
-        plain (unless `keep_plain`). An adapter the layer cannot merge (no ready weights, PEFT's float32
+        plain. An adapter the layer cannot merge (no ready weights, PEFT's float32
         arithmetic kept) runs its chunks plain."""
         adapters = [a for a in self.merged if layer.mergeable(dense, a)]
         plain = sorted(self.plain + tuple(j for a, js in self.merged.items() if a not in adapters for j in js))
         for j in plain:
             yield j, dense, chunks[j].masks
         for n, adapter in enumerate(adapters):
-            merged = layer.merge(dense, adapter, in_place=n == len(adapters) - 1 and not keep_plain)
+            merged = layer.merge(dense, adapter, in_place=n == len(adapters) - 1)
             for j in self.merged[adapter]:
                 yield j, merged, []
 
@@ -371,8 +359,8 @@ class Prefill:
         """Rows grouped by prompt length into chunks of about `tokens` tokens (default: `self.tokens`; each chunk
         its rows' indices, the longest last), each to be right-padded only to its own longest prompt: causal
         attention then needs no mask (a real token never sees the padding after it), so SDPA runs its flash
-        kernel with grouped-query heads as they are. `tails`: each row's tail tokens (`Tail`), padded to the
-        chunk's longest and counted in its tokens too (a chunk of short prompts with long tails stays within
+        kernel with grouped-query heads as they are. `tails`: each row's tail tokens (`ChunkTail`), padded to
+        the chunk's longest and counted in its tokens too (a chunk of short prompts with long tails stays within
         the activations planned for a chunk)."""
         limit = self.tokens if tokens is None else tokens
         lengths = [len(r.ids) for r in rows]
@@ -393,23 +381,17 @@ class Prefill:
     ) -> list[list[list[int]]]:
         """The chunks (`chunk_rows`) in groups of consecutive ones holding at most `group_tokens` padded tokens
         together, tails included (a chunk larger than that alone): each group goes through the layers before
-        the next. With `tails`, a group's tail (its rows' tail tokens, padded to its longest) holds at most a
-        chunk's tokens too: it runs through each layer after the group's chunks, in a chunk's activations."""
-        limit = self.tokens if tokens is None else tokens
+        the next."""
         extra = tails or [0] * len(rows)
         groups: list[list[list[int]]] = [[]]
-        held = members = longest_tail = 0
+        held = 0
         for chunk in self.chunk_rows(rows, tokens, tails):
-            tail = max(extra[i] for i in chunk)
-            padded = len(chunk) * (len(rows[chunk[-1]].ids) + tail)
-            tail_tokens = (members + len(chunk)) * max(longest_tail, tail)
-            if groups[-1] and (held + padded > self.group_tokens or (tail and tail_tokens > limit)):
+            padded = len(chunk) * (len(rows[chunk[-1]].ids) + max(extra[i] for i in chunk))
+            if groups[-1] and held + padded > self.group_tokens:
                 groups.append([])
-                held = members = longest_tail = 0
+                held = 0
             groups[-1].append(chunk)
             held += padded
-            members += len(chunk)
-            longest_tail = max(longest_tail, tail)
         return groups
 
     def chunks(self, rows: Sequence[PromptRow], width: int, pad_id: int) -> list[Chunk]:
@@ -417,8 +399,16 @@ class Prefill:
         prompts = Prompts.of([r.ids for r in rows])
         return [self._chunk(prompts, [rows[i] for i in c], c, width, pad_id) for c in self.chunk_rows(rows)]
 
-    def _chunk(self, prompts: Prompts, part: Sequence[PromptRow], members: list[int], width: int, pad_id: int) -> Chunk:
-        """One chunk's tensors, each built for all its rows at once."""
+    def _chunk(
+        self,
+        prompts: Prompts,
+        part: Sequence[PromptRow],
+        members: list[int],
+        width: int,
+        pad_id: int,
+        tails: Tails | None = None,
+    ) -> Chunk:
+        """One chunk's tensors, each built for all its rows at once (its tail's tokens after its prompts)."""
         s = self.stack
         device = s.device
         index = np.asarray(members, dtype=np.int64)
@@ -433,14 +423,19 @@ class Prefill:
         slots = None
         if contiguous:
             slots = columns[:, None, :, None].expand(len(members), s.kv_heads, columns.shape[1], s.head_dim)
+        ids = prompts.padded(index, real, pad_id)
+        tail = None if tails is None else tails.for_chunk(members, len(steps))
+        if tail is not None:
+            ids = np.concatenate((ids, tail.tokens), axis=1)
         return Chunk(
             where=slice(members[0], members[0] + len(members)) if contiguous else rows[:, 0],
-            ids=host_to_device(prompts.padded(index, real, pad_id), device),
+            ids=host_to_device(ids, device),
             rows=rows,
             columns=columns,
             last=host_to_device(lengths[:, 0] - 1, device),
             masks=row_masks(part, s.dtype, device),
             slots=slots,
+            tail=tail,
         )
 
     def own_layers(
@@ -452,21 +447,21 @@ class Prefill:
         logits: torch.Tensor | None,
         tokens: int | None = None,
         *,
-        tail_for: TailFor | None = None,
-        tails: Sequence[int] | None = None,
+        tails: Tails | None = None,
+        tail_tokens: Sequence[int] | None = None,
     ) -> None:
         """Every chunk (of about `tokens` prompt tokens; default `self.tokens`) through the decoder layers as HF
         computes them (same modules, same LoRA arithmetic as PEFT), without PEFT's per-module Python or a dynamic
-        cache to copy from: K/V go straight into the static cache `kv` (None: nowhere, the chunks' tails read
-        them as each layer makes them). Group by group (`layer_groups`), each group layer by layer, so each
-        layer's 4-bit weights are dequantised once per group and only one group's hidden states are held.
-        Each row's first-token logits go into `logits`; with `tail_for`, each group's `Tail` (of `tails` tokens
-        a row) runs beside it and finishes it instead."""
+        cache to copy from: K/V go straight into the static cache `kv` (None: nowhere). Group by group
+        (`layer_groups`), each group layer by layer, so each layer's 4-bit weights are dequantised once per
+        group and only one group's hidden states are held. Each row's first-token logits go into `logits`;
+        with `tails`, each chunk carries its rows' tail (of `tail_tokens` tokens a row), and `tails` finishes
+        each group instead."""
         prompts = Prompts.of([r.ids for r in rows])
         self.held_bytes = 0
         self.last_tokens = self.tokens if tokens is None else tokens
-        for group in self.layer_groups(rows, tokens, tails):
-            self._group(kv, prompts, rows, group, width, pad_id, logits, tail_for)
+        for group in self.layer_groups(rows, tokens, tail_tokens):
+            self._group(kv, prompts, rows, group, width, pad_id, logits, tails)
 
     def _group(
         self,
@@ -477,47 +472,47 @@ class Prefill:
         width: int,
         pad_id: int,
         logits: torch.Tensor | None,
-        tail_for: TailFor | None,
+        tails: Tails | None,
     ) -> None:
-        """One group's chunks through every layer, then their first-token logits (or its tail finished). A
+        """One group's chunks through every layer, then their first-token logits (or their tails finished). A
         function of its own so the group's chunk tensors and hidden states are let go on return, before the next
         group's are made."""
         s = self.stack
-        chunks = [self._chunk(prompts, [rows[i] for i in c], c, width, pad_id) for c in group]
-        tail = None if tail_for is None else tail_for(group, [c.ids.shape[1] for c in chunks])
-        rotary = [self._rotary(c.ids.shape[1]) for c in chunks]
+        chunks = [self._chunk(prompts, [rows[i] for i in c], c, width, pad_id, tails) for c in group]
+        rotary = [self._rotary(c) for c in chunks]
         hidden = [self._embedded(c) for c in chunks]
-        tail_held = None if tail is None else tail.embedded()
         held = sum(h.nbytes + c.ids.nbytes + c.columns.nbytes for h, c in zip(hidden, chunks, strict=True))
-        if tail is not None and tail_held is not None:
-            # The tail's tensors and states, and the group's prompt K/V of a layer, kept until the tail reads them.
-            kv_bytes = 2 * s.kv_heads * s.head_dim * s.embed.weight.element_size()  # a prompt token's K and V
-            held += tail.nbytes + tail_held.nbytes + sum(c.ids.numel() * kv_bytes for c in chunks)
+        # A tail's mask and its chunk's per-row rotary tables stay for every layer too.
+        held += sum(c.tail.mask.nbytes + r.nbytes for c, r in zip(chunks, rotary, strict=True) if c.tail is not None)
         self.held_bytes = max(self.held_bytes, held)
         passes = Passes.of(chunks, merge=self.merge_lora)
         caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None] = kv if kv is not None else [None] * len(s.layers)
         for i, (layer, cache) in enumerate(zip(s.layers, caches, strict=True)):
-            tail_held = self._through(i, layer, cache, chunks, hidden, passes, rotary, tail, tail_held)
-        lasts = []
+            self._through(i, layer, cache, chunks, hidden, passes, rotary)
+        if tails is not None:
+            tails.finish(chunks, [h.x for h in hidden])
+            return
+        assert logits is not None
         for c, h in zip(chunks, hidden, strict=True):
-            last = h.x[torch.arange(c.ids.shape[0], device=s.device), c.last]
-            if tail is not None:
-                lasts.append(last)
-            else:
-                assert logits is not None
-                logits[c.where] = s.head(last)
-        if tail is not None and tail_held is not None:
-            tail.finish(tail_held, torch.cat(lasts))
+            logits[c.where] = s.head(h.x[torch.arange(c.ids.shape[0], device=s.device), c.last])
 
     def _embedded(self, c: Chunk) -> Hidden:
         s = self.stack
         h = s.embed(c.ids)
         return Hidden(h=h, x=s.ops.norm(s.layers[0].norm1, h))
 
-    def _rotary(self, span: int) -> Rotary:
+    def _rotary(self, c: Chunk) -> Rotary:
+        """A chunk's cos and sin: one row of positions 0 .. span - 1 for every row, or with a tail each row's
+        own (its prompt's, then its tail's)."""
         s = self.stack
         like = torch.empty(0, dtype=s.dtype, device=s.device)  # what the rotary module reads: dtype and device
-        cos, sin = s.rotary(like, torch.arange(span, device=s.device)[None])
+        if c.tail is None:
+            positions = torch.arange(c.span, device=s.device)[None]
+        else:
+            rows = c.tail.positions.shape[0]
+            prompt = np.broadcast_to(np.arange(c.span, dtype=np.int64), (rows, c.span))
+            positions = host_to_device(np.concatenate((prompt, c.tail.positions), axis=1), s.device)
+        cos, sin = s.rotary(like, positions)
         return Rotary(cos=cos, sin=sin)
 
     def _through(
@@ -529,31 +524,13 @@ class Prefill:
         hidden: list[Hidden],
         passes: Passes,
         rotary: Sequence[Rotary],
-        tail: Tail | None = None,
-        tail_held: Hidden | None = None,
-    ) -> Hidden | None:
-        """Every chunk through layer `i`, its hidden states replaced by the layer's output, then the group's tail
-        (if any), whose hidden states after the layer are returned. A function of its own so the layer's
-        dequantised weights are let go on return, before the next layer's are made (a loop variable would keep
-        them alive meanwhile: a layer's worth of weights more than the planner counts)."""
+    ) -> None:
+        """Every chunk through layer `i`, its hidden states replaced by the layer's output. A function of its own
+        so the layer's dequantised weights are let go on return, before the next layer's are made (a loop
+        variable would keep them alive meanwhile: a layer's worth of weights more than the planner counts)."""
         dense = layer.dense()
-        # A tail runs after every chunk, on the weights they all ran on where that is one adapter's merged set,
-        # else on the plain weights with its rows' LoRA masked: those must outlive the last adapter's merge.
-        keep_plain = tail is not None and not passes.single
-        kv: list[PromptKV | None] = [None] * len(chunks)
-        ran: list[tuple[Dense, Masks]] = []
-        for j, weights, masks in passes.weights(layer, chunks, dense, keep_plain=keep_plain):
-            step = self._layer(i, layer, cache, chunks[j], hidden[j], weights, masks, rotary[j])
-            hidden[j] = step.hidden
-            if tail is not None:
-                kv[j] = step.kv
-                ran.append((weights, masks))
-            del step
-        if tail is None or tail_held is None:
-            return None
-        shared = all(w is ran[0][0] and not m for w, m in ran)
-        weights, masks = (ran[0][0], []) if shared else (dense, tail.masks)
-        return tail.layer(i, layer, tail_held, [x for x in kv if x is not None], weights, masks)
+        for j, weights, masks in passes.weights(layer, chunks, dense):
+            hidden[j] = self._layer(i, layer, cache, chunks[j], hidden[j], weights, masks, rotary[j])
 
     def _layer(
         self,
@@ -565,32 +542,55 @@ class Prefill:
         weights: Dense,
         masks: Masks,
         rotary: Rotary,
-    ) -> Step:
+    ) -> Hidden:
         """One chunk through layer `i`: its K/V into the cache (if any), attention, the rest of the layer."""
         s = self.stack
-        count, span = c.ids.shape
+        count, length = c.ids.shape
+        span = c.span
         q, k, v = s.qkv(layer, held.x, masks, rotary.cos, rotary.sin, weights, ops=self.ops)
         if cache is not None:
             k_cache, v_cache = cache
+            k_prompt, v_prompt = (k, v) if c.tail is None else (k[:, :, :span], v[:, :, :span])
             if c.slots is not None:
                 # One scatter along the cache's columns: advanced indexing (below) spent ~4x its host time.
-                k_cache[c.where].scatter_(2, c.slots, k)
-                v_cache[c.where].scatter_(2, c.slots, v)
+                k_cache[c.where].scatter_(2, c.slots, k_prompt)
+                v_cache[c.where].scatter_(2, c.slots, v_prompt)
             else:
                 # (rows, kv_heads, span, D) -> the cache's (rows, span) slots: advanced indices put those first.
-                k_cache[c.rows, :, c.columns] = k.transpose(1, 2)
-                v_cache[c.rows, :, c.columns] = v.transpose(1, 2)
-        out = causal_attention(q, k, v, scale=layer.scaling)
-        # Each intermediate let go as soon as it is read: the MLP's peak (gate/up and their product) is what
-        # the planner sets aside per chunk, without the attention's queries and output beside it (K/V stay
-        # only where the caller keeps the step's for a tail: one layer's, counted in the group's held states).
-        del q
-        attn = out.transpose(1, 2).reshape(count, span, s.heads * s.head_dim)
-        del out
+                k_cache[c.rows, :, c.columns] = k_prompt.transpose(1, 2)
+                v_cache[c.rows, :, c.columns] = v_prompt.transpose(1, 2)
+        if c.tail is None:
+            out = causal_attention(q, k, v, scale=layer.scaling)
+            # Each intermediate let go as soon as it is read: the MLP's peak (gate/up and their product) is what
+            # the planner sets aside per chunk, without the attention's queries and output beside it.
+            del q, k, v
+            attn = out.transpose(1, 2).reshape(count, length, s.heads * s.head_dim)
+            del out
+        else:
+            attn = self._with_tail(c.tail, q, k, v, span, layer.scaling)
+            del q, k, v
         h, x = s.attn_out(layer, held.h, attn, masks, weights, ops=self.ops)
         del attn
         h, x = s.mlp(layer, h, x, masks, s.next_norm(i), weights, ops=self.ops)
-        return Step(hidden=Hidden(h=h, x=x), kv=PromptKV(k=k, v=v))
+        return Hidden(h=h, x=x)
+
+    def _with_tail(
+        self, tail: ChunkTail, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int, scale: float
+    ) -> torch.Tensor:
+        """Attention of a chunk with a tail, as (rows, span + T, heads x D): the prompts' queries causal over the
+        prompts (flash, the tail's keys after them unseen), the tail's queries -- grouped by KV head, as the
+        mask is -- over prompts and tail under the tail's mask."""
+        s = self.stack
+        rows, width = q.shape[0], tail.width
+        attn = q.new_empty(rows, span + width, s.heads * s.head_dim)
+        prompt = causal_attention(q[:, :, :span], k[:, :, :span], v[:, :, :span], scale=scale)
+        attn[:, :span].view(rows, span, s.heads, s.head_dim).copy_(prompt.transpose(1, 2))
+        del prompt
+        grouped = q[:, :, span:].reshape(rows, s.kv_heads, s.groups * width, s.head_dim)
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=tail.mask, scale=scale)
+        shaped = out.view(rows, s.kv_heads, s.groups, width, s.head_dim).permute(0, 3, 1, 2, 4)
+        attn[:, span:].view(rows, width, s.kv_heads, s.groups, s.head_dim).copy_(shaped)
+        return attn
 
     def through_model(
         self,

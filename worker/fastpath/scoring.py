@@ -1,27 +1,25 @@
-"""Choice scoring on the fast path: each prompt encoded once, its choices run through the layers beside it.
+"""Choice scoring on the fast path: each prompt encoded once, its choices run beside it through the layers.
 
 HF's way -- one padded forward pass over prompt + choice for every (row, choice) pair -- encodes each prompt
 once per choice and builds a padding mask, so attention falls back to the math kernel with a full score matrix.
-Here the loop's own prefill runs the prompts, and each layer-major group of prefill chunks carries its rows'
-choices as a tail (`prefill.Tail`): in every layer, on the weights that layer dequantised (and merged) for them,
+Here the loop's own prefill runs the prompts, and each prefill chunk carries its rows' choices as its tail
+(`prefill.ChunkTail`): every choice token of a row, side by side after the chunk's padded prompts, in the same
+layer steps and on the same dequantised (and merged) weights,
 
-1. the group's chunks run their prompts as in any prefill (causal, flash attention, grouped KV heads as they are);
-2. then every choice's tokens of the group's rows, side by side, attend to their row's prompt K/V just made (one
-   attention call a chunk: its prompts' span) and to the earlier tokens of their own choice only (a
-   block-diagonal causal mask; the positions restart after the prompt for each choice), the rest of the layer
-   once for the whole group (a chunk's tail alone paid the ~13 launches of a layer step for a few tokens a row);
-3. after the last layer, a choice's log-likelihood is the sum of its tokens' log-probabilities (its
+1. attends to its row's prompt (real tokens only) and to the earlier tokens of its own choice (a block-diagonal
+   causal mask; the positions restart after the prompt for each choice), the prompts' own queries running
+   causal flash attention as in any prefill chunk;
+2. after the last layer, a choice's log-likelihood is the sum of its tokens' log-probabilities (its
    end-of-answer token included): the first from the prompt's last position, the rest from the choice's own,
    the LM head run only where a next token is scored, a slice of positions at a time.
 
-Nothing is cached: the prompt's K/V are read in the layer that made them, so a take of scored rows needs no KV
-pool (its memory is one prefill chunk's and one group's held states, whatever its rows), leaves the decode
-loop's pool and graphs as they are, and dequantises each layer's weights once for prompts and choices alike.
+Nothing is cached: the prompt's K/V are read in the layer step that made them, so a take of scored rows needs
+no KV pool (its memory is one prefill chunk's and one group's held states, whatever its rows), leaves the
+decode loop's pool and graphs as they are, and dequantises each layer's weights once for prompts and choices.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from collections.abc import Sequence
@@ -29,12 +27,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from worker.fastpath.ops import Ops, prefill_attention
-from worker.fastpath.prefill import Hidden, Prefill, PromptKV, host_to_device, row_masks
+from worker.fastpath.ops import prefill_attention
+from worker.fastpath.prefill import Chunk, ChunkTail, Prefill, host_to_device
 from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
-from worker.fastpath.weights import Dense, Layer, Masks, Stack
+from worker.fastpath.weights import Stack
 
 log = logging.getLogger("kevlaya.fastpath")
 
@@ -156,82 +153,91 @@ class Picks:
         return Scored(loglik=[tuple(s) for s in sums], bad=bad)
 
 
-class ChoiceTail:
-    """A layer-major group's choices (`prefill.Tail`): every chunk's layout on the device, its rows one after
-    another, run through each layer after the group's chunks."""
+# The memory-efficient attention kernel reads a mask's rows at this alignment (elements): torch pads (copies) a
+# mask whose rows are not aligned, on every call.
+MASK_ALIGN = 16
 
-    def __init__(
-        self, stack: Stack, ops: Ops, rows: Sequence[ScoreRow], chunks: Sequence[TailLayout], picks: Picks
-    ) -> None:
-        s = self.stack = stack
-        self.ops = ops
+
+@dataclass(frozen=True)
+class ScoredTail(ChunkTail):
+    """A chunk's choices as its tail, and where its scored tokens are."""
+
+    layout: TailLayout
+    later: torch.Tensor  # (scored later tokens, 2): each one's row in the chunk and column among the chunk's
+
+
+def additive_mask(seen: np.ndarray, groups: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A chunk's (rows, T, keys) bool mask as the tail's attention reads it (`ChunkTail.mask`): repeated for each
+    query head of a KV head, 0 where seen and -inf elsewhere, in a buffer whose rows are `MASK_ALIGN`-aligned."""
+    rows, width, keys = seen.shape
+    aligned = -(-keys // MASK_ALIGN) * MASK_ALIGN
+    buffer = torch.full((rows, 1, groups * width, aligned), -math.inf, dtype=dtype, device=device)
+    mask = buffer[..., :keys]
+    mask.view(rows, groups, width, keys).masked_fill_(host_to_device(seen, device)[:, None], 0.0)
+    return mask
+
+
+class ChoiceTails:
+    """A take's choices as its prefill chunks' tails (`prefill.Tails`): each chunk's layout, then after a group's
+    last layer its picked log-probabilities."""
+
+    def __init__(self, stack: Stack, rows: Sequence[ScoreRow], picks: Picks) -> None:
+        self.stack = stack
+        self.rows = rows
         self.picks = picks
-        device = s.device
-        long = lambda values: host_to_device(np.asarray(values, dtype=np.int64), device)  # noqa: E731
-        starts = np.cumsum([0] + [len(c.tokens) for c in chunks])
-        self.bounds = [(int(a), int(b)) for a, b in itertools.pairwise(starts)]  # each chunk's rows of the tail
-        self.tokens = host_to_device(np.concatenate([c.tokens for c in chunks]), device)
-        width = self.tokens.shape[1]
-        # GQA without expanding K/V: the query heads sharing a KV head become that head's query rows (as in a
-        # decode step), each chunk's mask repeated for each of them.
-        self.attn_masks = [self._grouped(host_to_device(c.mask, device), width) for c in chunks]
-        like = torch.empty(0, dtype=s.dtype, device=device)  # what the rotary module reads: dtype and device
-        self.cos, self.sin = s.rotary(like, host_to_device(np.concatenate([c.positions for c in chunks]), device))
-        self.masks = row_masks(rows, s.dtype, device)
-        # The head tokens and later targets of every chunk, their rows counted across the tail.
-        firsts = [a for a, _ in self.bounds]
-        self._head_rows = np.asarray([r + a for c, a in zip(chunks, firsts, strict=True) for r in c.head_rows])
-        self.head_rows, self.heads = long(self._head_rows), long([t for c in chunks for t in c.heads])  # rows ascend
-        self.head_owners = [o for c in chunks for o in c.head_owners]
-        self.rows = long([r + a for c, a in zip(chunks, firsts, strict=True) for r in c.rows])
-        self.columns = long([x for c in chunks for x in c.columns])
-        self.targets = long([t for c in chunks for t in c.targets])
-        self.owners = [o for c in chunks for o in c.owners]
 
-    @property
-    def nbytes(self) -> int:
-        tensors = (self.tokens, self.cos, self.sin, self.head_rows, self.heads, self.rows, self.columns, self.targets)
-        return sum(t.nbytes for t in (*tensors, *self.attn_masks))
-
-    def _grouped(self, mask: torch.Tensor, width: int) -> torch.Tensor:
-        """A chunk's (rows, T, span + T) mask for its queries grouped by KV head: (rows, 1, groups x T, ...)."""
-        rows, groups = mask.shape[0], self.stack.groups
-        return mask[:, None].expand(rows, groups, width, mask.shape[-1]).reshape(rows, 1, groups * width, -1)
-
-    def embedded(self) -> Hidden:
+    def for_chunk(self, members: list[int], span: int) -> ScoredTail:
         s = self.stack
-        h = s.embed(self.tokens)
-        return Hidden(h=h, x=self.ops.norm(s.layers[0].norm1, h))
+        layout = tail_layout([self.rows[i] for i in members], members, span)
+        later = np.stack((np.asarray(layout.rows, dtype=np.int64), span + np.asarray(layout.columns, dtype=np.int64)))
+        return ScoredTail(
+            tokens=layout.tokens,
+            positions=layout.positions,
+            mask=additive_mask(layout.mask, s.groups, s.dtype, s.device),
+            layout=layout,
+            later=host_to_device(later, s.device),
+        )
 
-    def layer(self, i: int, layer: Layer, held: Hidden, kv: Sequence[PromptKV], weights: Dense, masks: Masks) -> Hidden:
-        s = self.stack
-        n, width = self.tokens.shape
-        q, k_tail, v_tail = s.qkv(layer, held.x, masks, self.cos, self.sin, weights, ops=self.ops)
-        attn = q.new_empty(n, width, s.heads * s.head_dim)
-        for (a, b), prompt, mask in zip(self.bounds, kv, self.attn_masks, strict=True):
-            keys = torch.cat((prompt.k, k_tail[a:b]), dim=2)  # the chunk's prompts (real tokens first), the choices
-            values = torch.cat((prompt.v, v_tail[a:b]), dim=2)
-            q_c = q[a:b].reshape(b - a, s.kv_heads, s.groups * width, s.head_dim)
-            out = F.scaled_dot_product_attention(q_c, keys, values, attn_mask=mask, scale=layer.scaling)
-            attn[a:b] = out.reshape(b - a, s.heads, width, s.head_dim).transpose(1, 2).reshape(b - a, width, -1)
-        del q, k_tail, v_tail
-        h, x = s.rest(layer, held.h, attn, masks, s.next_norm(i), weights, ops=self.ops)
-        return Hidden(h=h, x=x)
-
-    def finish(self, held: Hidden, last: torch.Tensor) -> None:
+    def finish(self, chunks: Sequence[Chunk], finals: Sequence[torch.Tensor]) -> None:
         """Each choice's first token's log-probability from its prompt's last position (float32 log-softmax,
         `CHOICE_CHUNK_ROWS` rows at a time, as the greedy choice converts them), the later tokens' from their
         choice's own positions (`LOGIT_ROWS` at a time): never a float32 copy of a whole group's logits."""
         s = self.stack
+        lasts: list[torch.Tensor] = []
+        later: list[torch.Tensor] = []
+        head_rows: list[int] = []
+        heads: list[int] = []
+        head_owners: list[Owner] = []
+        targets: list[int] = []
+        owners: list[Owner] = []
+        for c, x in zip(chunks, finals, strict=True):
+            tail = c.tail
+            assert isinstance(tail, ScoredTail)
+            layout, offset = tail.layout, sum(t.shape[0] for t in lasts)
+            lasts.append(x[torch.arange(x.shape[0], device=s.device), c.last])
+            head_rows.extend(r + offset for r in layout.head_rows)
+            heads.extend(layout.heads)
+            head_owners.extend(layout.head_owners)
+            if layout.owners:
+                later.append(x[tail.later[0], tail.later[1]])
+                targets.extend(layout.targets)
+                owners.extend(layout.owners)
+        last = torch.cat(lasts)
+        rows = np.asarray(head_rows, dtype=np.int64)  # ascending
+        on_device = host_to_device(np.stack((rows, np.asarray(heads, dtype=np.int64))), s.device)
         for start in range(0, last.shape[0], CHOICE_CHUNK_ROWS):
             logp = s.head(last[start : start + CHOICE_CHUNK_ROWS]).float().log_softmax(dim=-1)
-            lo, hi = np.searchsorted(self._head_rows, (start, start + CHOICE_CHUNK_ROWS))
+            lo, hi = np.searchsorted(rows, (start, start + CHOICE_CHUNK_ROWS))
             which = slice(int(lo), int(hi))
-            self.picks.add(logp[self.head_rows[which] - start, self.heads[which]], self.head_owners[which])
-        for start in range(0, len(self.owners), LOGIT_ROWS):
+            self.picks.add(logp[on_device[0, which] - start, on_device[1, which]], head_owners[which])
+        if not owners:
+            return
+        states = torch.cat(later)
+        wanted = host_to_device(np.asarray(targets, dtype=np.int64), s.device)
+        for start in range(0, len(owners), LOGIT_ROWS):
             which = slice(start, start + LOGIT_ROWS)
-            logp = s.head(held.x[self.rows[which], self.columns[which]]).float().log_softmax(dim=-1)
-            self.picks.add(logp.gather(1, self.targets[which, None])[:, 0], self.owners[which])
+            logp = s.head(states[which]).float().log_softmax(dim=-1)
+            self.picks.add(logp.gather(1, wanted[which, None])[:, 0], owners[which])
 
 
 def score_in_prefill(prefill: Prefill, rows: Sequence[ScoreRow], *, pad_id: int) -> Scored | None:
@@ -241,15 +247,6 @@ def score_in_prefill(prefill: Prefill, rows: Sequence[ScoreRow], *, pad_id: int)
     if not prefill.own:
         return None
     picks = Picks()
-
-    def tail_for(chunks: list[list[int]], spans: list[int]) -> ChoiceTail:
-        members = [i for chunk in chunks for i in chunk]
-        width = max(rows[i].choice_tokens for i in members)
-        layouts = [
-            tail_layout([rows[i] for i in chunk], chunk, span, width) for chunk, span in zip(chunks, spans, strict=True)
-        ]
-        return ChoiceTail(prefill.stack, prefill.ops, [rows[i] for i in members], layouts, picks)
-
     width = max(len(row.ids) for row in rows)
     try:
         # Not cuDNN (a plan for every shape); the choices' masked attention runs the memory-efficient kernel.
@@ -261,8 +258,8 @@ def score_in_prefill(prefill: Prefill, rows: Sequence[ScoreRow], *, pad_id: int)
                 pad_id,
                 None,
                 prefill.chunk_tokens(),
-                tail_for=tail_for,
-                tails=[row.choice_tokens for row in rows],
+                tails=ChoiceTails(prefill.stack, rows, picks),
+                tail_tokens=[row.choice_tokens for row in rows],
             )
     except torch.OutOfMemoryError:
         raise
