@@ -234,3 +234,14 @@ def test_the_choice_layout_built_at_once_is_the_token_by_token_one() -> None:
         got = [(r, c, t, *owner) for r, c, t, owner in fields]
         assert got == [tuple(x) for x in scored.tolist()]
 
+
+def test_a_choice_job_about_to_be_taken_sizes_the_next_take_for_scoring(engine: Engine) -> None:
+    """`expect` of a job that scores choices on the loop plans the model's next take for scored rows (no
+    cache), one that generates for generation; it says when the sizing changed."""
+    scoring = Job(custom_id="s", model="laya", prompt="Approve?", choices=("yes", "no"))
+    generating = Job(custom_id="g", model="laya", prompt="Approve?")
+    engine.expect(generating)
+    assert engine.expect(scoring) is True
+    assert engine._scored_tokens["laya"] == engine.choices.count(scoring)
+    assert engine.expect(scoring) is False
+    assert engine.expect(generating) is True and "laya" not in engine._scored_tokens

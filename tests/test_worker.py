@@ -13,9 +13,11 @@ from redis import Redis
 from rq import Queue
 
 from producer.client import Client
+from shared.job import Job
 from shared.keys import Keys
 from shared.serializer import serializer
 from tests.conftest import tiny_config
+from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.worker_helpers import assert_each_item_answered_once, drain, spawn_worker, wait_until
 from worker.engine import Engine
 
@@ -85,6 +87,39 @@ def test_follow_ups_size_the_next_kev_take_before_it_happens(
     drain(redis, engine)
     assert ("expect", "kev") in calls
     assert calls.index(("expect", "kev")) < calls.index(("run", "kev"))
+
+
+class SizedByKind(FakeEngine):
+    """Takes of 8 rows for generation, 30 for rows that score choices: whatever `expect` last saw."""
+
+    scoring = False
+
+    def capacity(self, model: str) -> int:
+        return 30 if self.scoring else 8
+
+    def expect(self, job: Job) -> bool:
+        was, self.scoring = self.scoring, job.scores_choices
+        return was != self.scoring
+
+
+def test_a_full_take_is_sized_for_the_job_at_the_queues_front(client: Client, redis: Redis) -> None:
+    """The last batch sized the next take (generation rows: few fit); the jobs waiting now score choices (more
+    fit): before a full take the worker shows the engine the job at the queue's front and takes what that kind
+    fits. A front it cannot read leaves the size as it was."""
+    engine = SizedByKind(config=FAKE_CONFIG)
+    choice = {"model": "laya", "prompt": "p", "choices": ["yes", "no"], "escalate": False}
+    handle = client.submit_batch([{**choice, "custom_id": f"c{i}"} for i in range(50)])
+    drain(redis, engine)
+    assert [len(c) for c in engine.calls] == [30, 20]
+    assert_each_item_answered_once(client, redis, handle.id, 50)
+    engine = SizedByKind(config=FAKE_CONFIG)
+    queue = Queue("kevlaya:laya", connection=redis, serializer=serializer)
+    handle = client.submit_batch([{**choice, "custom_id": f"d{i}"} for i in range(20)])
+    redis.hset("rq:job:broken-front", mapping={"data": b"\x00garbage", "status": "queued"})
+    redis.lpush(queue.key, "broken-front")
+    drain(redis, engine)
+    assert len(engine.calls[0]) == 7  # 8 taken, the broken one refused
+    assert_each_item_answered_once(client, redis, handle.id, 20)
 
 
 def test_no_escalate_batch(client: Client, redis: Redis, engine: Engine) -> None:

@@ -244,18 +244,26 @@ class Engine:
         """The memory the next plans start from, looked at again (see `MemoryBudget.refresh`)."""
         self.memory.refresh()
 
-    def expect(self, job: Job) -> None:
-        """A job about to be queued (the worker's longest new follow-up): its prompt length sizes that model's
-        next take too. Without it the first Kev take after a run of Laya batches was sized for typical prompts,
-        and follow-ups (the parent's prompt plus its answer) are longer: the take was cut in two, and each part
-        decoded Kev's full answer length."""
+    def expect(self, job: Job) -> bool:
+        """A job about to be queued (the worker's longest new follow-up) or taken (the one at the front of the
+        queue a take is about to come from): its prompt length sizes that model's next take too, and so does its
+        kind -- rows that score choices on the loop need no cache (`capacity`). Without it the first Kev take
+        after a run of Laya batches was sized for typical prompts, and follow-ups (the parent's prompt plus its
+        answer) are longer: the take was cut in two, and each part decoded Kev's full answer length; and the
+        first take of 600 choice jobs after generation jobs held the 192 rows a generation plan allows. Returns
+        whether the model's next take is sized otherwise now."""
         try:
             item = self.encoder.encode(job, index=-1)
         except JobFailure:
-            return  # it fails when it runs; nothing to plan for
-        self._longest_prompt[job.model] = max(self._longest_prompt.get(job.model, 0), len(item.ids))
-        if not job.scores_choices:
-            self._scored_tokens.pop(job.model, None)  # a row that generates is coming: a take sized for those
+            return False  # it fails when it runs; nothing to plan for
+        model = job.model
+        before = (self._longest_prompt.get(model, 0), self._scored_tokens.get(model))
+        self._longest_prompt[model] = max(before[0], len(item.ids))
+        if job.scores_choices and self._scores_on_loop(model):
+            self._scored_tokens[model] = max(before[1] or 0, self.choices.count(job))
+        else:
+            self._scored_tokens.pop(model, None)  # a row that generates is coming: a take sized for those
+        return (self._longest_prompt[model], self._scored_tokens.get(model)) != before
 
     def stats(self) -> EngineStats:
         """Counters for logs, status and benchmarks."""

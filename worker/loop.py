@@ -52,7 +52,7 @@ class EngineLike(Protocol):
 
     def run(self, jobs: Sequence[Job], *, time_limit_s: float | None = None) -> list[Any]: ...
     def capacity(self, model: str) -> int: ...
-    def expect(self, job: Job) -> None: ...
+    def expect(self, job: Job) -> bool | None: ...
 
 
 class BatchWorker:
@@ -254,7 +254,25 @@ class BatchWorker:
         # only suspect groups had none, and looks now.
         seen = states.get(ref)
         capacity = seen.take if seen is not None and seen.take else self.engine.capacity(ref.model)
+        if queued > capacity:
+            capacity = self._sized_by_head(ref, capacity)
         return self.taker.take(ref, states, capacity=capacity, suspects=suspects, queued=queued)
+
+    def _sized_by_head(self, ref: QueueRef, capacity: int) -> int:
+        """A full take's size once the engine has seen the job at the queue's front: the model's last batch sized
+        it, and the jobs waiting now may be of another kind (choice jobs after generation jobs fit ~3x the rows)
+        or longer. A look at one job, not a promise: the engine packs whatever the take holds into sub-batches
+        that fit."""
+        raw = self.bridge.head(ref)
+        if raw is None or raw.problem is not None or raw.payload is None:
+            return capacity
+        try:
+            job = Job.from_dict(raw.payload, allow_system=True)
+        except Exception:  # any bytes can be in Redis: the take refuses this job when it comes
+            return capacity
+        if job.model != ref.model or not self.engine.expect(job):
+            return capacity
+        return self.engine.capacity(ref.model)
 
     def _run_take(self, taken: Take) -> None:
         rows = taken.rows

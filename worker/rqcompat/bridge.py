@@ -219,6 +219,16 @@ class RQBridge(Registration, Reclaim):
                 good.append(job_id)
         return good
 
+    def head(self, ref: QueueRef) -> RawJob | None:
+        """The job at the front of a queue, decoded, without taking it (None: an empty queue, or bytes there
+        that are not a job id -- the take screens those)."""
+        try:
+            first = self.redis.lindex(self.queues[ref].key, 0)
+        except redis.exceptions.ResponseError:
+            return None  # not a list: the take quarantines it
+        job_id = valid_id(first) if first is not None else None
+        return None if job_id is None else self.load([job_id])[0]
+
     def load(self, ids: Sequence[str]) -> list[RawJob]:
         """Fetch and decode job hashes; a malformed or hostile one comes back with its `problem` set."""
         with self.redis.pipeline(transaction=False) as pipe:
