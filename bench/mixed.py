@@ -180,6 +180,7 @@ class LogCounts:
     captures: int
     engine_s: float
     headrooms_mib: tuple[int, ...]  # each take's allocator cap less its peak (CUDA), in order
+    retries: int = 0  # the allocator's retries under the cap (CUDA), all takes together
 
     @classmethod
     def of(cls, text: str) -> LogCounts:
@@ -190,6 +191,7 @@ class LogCounts:
             captures=len(re.findall(r"decode: captured a graph", text)),
             engine_s=engine,
             headrooms_mib=tuple(int(h) for h in re.findall(r"take: .* headroom (-?[0-9]+) MiB", text)),
+            retries=sum(int(r) for r in re.findall(r"take: .* headroom -?[0-9]+ MiB, ([0-9]+) retries", text)),
         )
 
 
@@ -236,6 +238,7 @@ def run_workload(
         "captures": after.captures - before.captures,
         "engine_s": round(after.engine_s - before.engine_s, 2),
         "min_headroom_mib": min(after.headrooms_mib[len(before.headrooms_mib) :], default=None),
+        "alloc_retries": after.retries - before.retries,
         "peak_mib": round(peak.peak / MIB) if peak.available else None,
         "peak_is_per_process": peak.per_process,
     }
@@ -322,7 +325,7 @@ def _row(name: str, r: dict[str, Any], args: argparse.Namespace, argv: list[str]
         f"{r['oom']} OOM, {r['captures']} captures, {r['errors']} errors, {peak}"
     )
     if r.get("min_headroom_mib") is not None:
-        figures += f", least allocator headroom {r['min_headroom_mib']} MiB"
+        figures += f", least allocator headroom {r['min_headroom_mib']} MiB, {r['alloc_retries']} allocator retries"
     hardware = f"{args.device} budget {args.memory_budget or 'GPU total - 512 MiB (worker default)'}"
     changed = " + `--pointwise-kernels`" if args.pointwise_kernels else ""
     model = f"{args.shape or 'default'} shape NF4, `kevlaya worker` defaults (+ `--memory-budget` if given){changed}"

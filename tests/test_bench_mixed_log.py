@@ -1,5 +1,6 @@
 """`bench mixed` reads its figures from the worker's log: out-of-memory errors, graph captures, the seconds
-each batch spent in the engine (from the worker's own lines only) and each take's allocator headroom."""
+each batch spent in the engine (from the worker's own lines only), each take's allocator headroom and the
+allocator's retries."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ LOG = """\
 02:28:20 INFO kevlaya.worker: batch model=kev+laya n=160 ran=160 tokens=5120 wait=1.69s engine=0.73s total=0.75s
 02:28:21 ERROR kevlaya.engine: OUT OF MEMORY at 160 rows (out-of-memory error #1 of this worker): ...
 02:28:21 INFO kevlaya.worker: job j1 says engine=9.99s in its prompt, not a batch line
-02:28:22 INFO kevlaya.engine: take: 144 kev rows (generation, prompts up to 412 tokens): allocator peak 4344 MiB, \
-cap 5370 MiB, headroom 1026 MiB
-02:28:23 INFO kevlaya.engine: take: 256 laya rows (scoring, prompts up to 300 tokens): allocator peak 5400 MiB, \
-cap 5370 MiB, headroom -30 MiB
+02:28:22 INFO kevlaya.engine: take: 144 kev rows (generation, prompts up to 412 tokens): allocator peak 4344 MiB \
+(4500 MiB held), cap 5370 MiB, headroom 1026 MiB, 0 retries, 3986 MiB allocated after it
+02:28:23 INFO kevlaya.engine: take: 256 laya rows (scoring, prompts up to 300 tokens): allocator peak 5400 MiB \
+(5370 MiB held), cap 5370 MiB, headroom -30 MiB, 3 retries, 3986 MiB allocated after it
 """
 
 
 def test_the_log_gives_oom_captures_and_engine_seconds() -> None:
     counts = LogCounts.of(LOG)
-    assert counts == LogCounts(oom=1, captures=1, engine_s=1.52 + 0.73, headrooms_mib=(1026, -30))
+    assert counts == LogCounts(oom=1, captures=1, engine_s=1.52 + 0.73, headrooms_mib=(1026, -30), retries=3)
     assert LogCounts.of("") == LogCounts(oom=0, captures=0, engine_s=0.0, headrooms_mib=())

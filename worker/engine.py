@@ -357,11 +357,11 @@ class Engine:
         models = {it.job.model for it in chunk}
         chunks = f"; prefill chunks of {decoder.prefill.last_tokens} tokens" if decoder and decoder.own_prefill else ""
         log.info(
-            "take: %d %s rows (%s, prompts up to %d tokens): allocator peak %d MiB, cap %d MiB, headroom %d MiB, "
-            "%d MiB allocated after it%s",
+            "take: %d %s rows (%s, prompts up to %d tokens): allocator peak %d MiB (%d MiB held), cap %d MiB, "
+            "headroom %d MiB, %d retries, %d MiB allocated after it%s",
             len(chunk), "+".join(sorted(models)), "scoring" if scoring else "generation", longest,
-            peak.peak_bytes // MIB, peak.cap_bytes // MIB, peak.headroom_bytes // MIB,
-            self.memory.allocated_bytes() // MIB, chunks,
+            peak.peak_bytes // MIB, peak.reserved_peak_bytes // MIB, peak.cap_bytes // MIB, peak.headroom_bytes // MIB,
+            peak.retries, self.memory.allocated_bytes() // MIB, chunks,
         )  # fmt: skip
 
     def _calibrated(self, job: Job, out: RowOutput) -> RowOutput:

@@ -124,6 +124,7 @@ class MemoryBudget:
         self.resident_bytes = 0  # the loaded models (see `count_resident`)
         self._earlier_peak_bytes = 0  # CUDA: the allocator's peak before the current take's (`take_started`)
         self._marked_peak_bytes = 0  # CUDA: the same since the last `mark`
+        self._retries_at_take = 0  # CUDA: the allocator's retries before the current take's
 
     def start(self) -> None:
         """CUDA: the context exists before the memory outside torch is measured; the allocator capped; the peak
@@ -273,6 +274,7 @@ class MemoryBudget:
         if self.device.type == "cuda":
             self._marked_peak_bytes = self.peak_since_mark()
             self._restart_peak()
+            self._retries_at_take = alloc_retries(self.device)
 
     def mark(self) -> None:
         """CUDA: start a window for `peak_since_mark` (a benchmark's run of several takes)."""
@@ -297,13 +299,26 @@ class MemoryBudget:
         planned too cautiously; one that needed the allocator's slack, too boldly)."""
         if self.device.type != "cuda":
             return None
-        return TakePeak(peak_bytes=int(torch.cuda.max_memory_allocated(self.device)), cap_bytes=self.plannable_bytes)
+        return TakePeak(
+            peak_bytes=int(torch.cuda.max_memory_allocated(self.device)),
+            reserved_peak_bytes=int(torch.cuda.max_memory_reserved(self.device)),
+            cap_bytes=self.plannable_bytes,
+            retries=alloc_retries(self.device) - self._retries_at_take,
+        )
+
+
+def alloc_retries(device: torch.device) -> int:
+    """How many times the allocator, refused memory under the cap, handed its cached blocks back and tried again:
+    each a device synchronisation (the host waits for the GPU to finish), none an error."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 @dataclass(frozen=True, kw_only=True)
 class TakePeak:
     peak_bytes: int  # allocated at the take's peak (weights, pools and everything else resident included)
+    reserved_peak_bytes: int  # what the allocator held at its peak (the cap applies to this: blocks, cached ones)
     cap_bytes: int  # the allocator's cap: the budget less what lies outside the allocator
+    retries: int  # the allocator's retries under the cap during the take (`alloc_retries`)
 
     @property
     def headroom_bytes(self) -> int:
