@@ -319,7 +319,7 @@ def _row(name: str, r: dict[str, Any], args: argparse.Namespace, argv: list[str]
     if args.nightly_tokens_per_s:
         ratio = f", {r['tokens_per_s'] / args.nightly_tokens_per_s:.2f}x nightly-2000's tok/s"
     figures = (
-        f"{r['items']} items in {r['wall_s']:.1f} s ({r['engine_s']:.1f} s in the engine): "
+        f"{r['items']} items in {r['wall_s']:.2f} s ({r['engine_s']:.2f} s in the engine): "
         f"{r['decisions_per_s']:.1f} decisions/s, "
         f"{r['prompt_tokens_per_s']} prompt + {r['generated_tokens_per_s']} generated tok/s{ratio}, "
         f"{r['oom']} OOM, {r['captures']} captures, {r['errors']} errors, {peak}"
