@@ -36,11 +36,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bench.common import append_results, hardware, model_dir, save_json, sync, write_config
 from bench.fastpath import kernel_profile
 from bench.mixed import CHOICES
 from bench.nightly import workload
 from shared.job import Job
+from worker import planner
 from worker.config import load_config
 from worker.engine import Engine
 from worker.fastpath.prefill import MAX_CHUNK_TOKENS
@@ -120,11 +123,7 @@ def host_profile(engine: Engine, jobs: list[Job], out: Path, label: str) -> None
 
 
 def alloc_retries(device: str) -> int:
-    if not device.startswith("cuda"):
-        return 0
-    import torch
-
-    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+    return planner.alloc_retries(torch.device(device)) if device.startswith("cuda") else 0
 
 
 def reset_peak(engine: Engine, device: str) -> int:

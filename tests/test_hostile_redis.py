@@ -13,6 +13,7 @@ from redis import Redis
 from redis import exceptions as redis_exceptions
 
 from producer.client import Client
+from shared.job import Job
 from shared.keys import Keys
 from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.worker_helpers import assert_each_item_answered_once
@@ -64,6 +65,30 @@ def test_hostile_write_is_quarantined_and_real_jobs_are_answered(client: Client,
     drain(redis)  # a second start: nothing left over crashes it either
     rows = assert_each_item_answered_once(client, redis, batch, 6)
     assert all(r.get("error") is None for r in rows)
+
+
+@pytest.mark.parametrize("name", ["job key of the wrong type at the head", "job key that is a string"])
+def test_a_bad_job_at_the_front_is_quarantined_once(client: Client, redis: Redis, name: str) -> None:
+    """Takes here are smaller than the queue, so the worker looks at the front job before each (its size): the
+    look has no side effect, only the take quarantines the bad entry, once."""
+    batch = real(client)
+    HOSTILE[name](redis)
+    drain(redis)
+    assert_each_item_answered_once(client, redis, batch, 6)
+    assert quarantined(client) == 1
+
+
+class ExpectFails(FakeEngine):
+    def expect(self, job: Job) -> bool:
+        raise RuntimeError("a template the front job breaks")
+
+
+def test_a_front_job_the_engine_cannot_plan_for_leaves_the_take_size(client: Client, redis: Redis) -> None:
+    engine = ExpectFails(rows=4)
+    batch = real(client)
+    BatchWorker(redis, engine, FAKE_CONFIG, WorkerSettings(burst=True, worker_ttl_s=1)).work()
+    assert_each_item_answered_once(client, redis, batch, 6)
+    assert [len(c) for c in engine.calls] == [4, 2]
 
 
 def test_a_wrong_typed_queue_key_is_moved_aside_and_the_queue_works_again(client: Client, redis: Redis) -> None:

@@ -245,3 +245,56 @@ def test_a_choice_job_about_to_be_taken_sizes_the_next_take_for_scoring(engine: 
     assert engine._scored_tokens["laya"] == engine.choices.count(scoring)
     assert engine.expect(scoring) is False
     assert engine.expect(generating) is True and "laya" not in engine._scored_tokens
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 2)])
+def test_a_chunks_attention_with_its_choices_is_attention_over_repeated_kv(heads: int, kv_heads: int) -> None:
+    """`Prefill._with_tail` on a mask from `additive_mask` (rows aligned), for one, two and three query heads a
+    KV head: the prompts' queries causal over the prompts, each choice token over its row's prompt and its own
+    choice's earlier tokens -- as plain attention over K/V repeated to every query head with the bool mask."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from worker.fastpath.ops import repeat_kv
+    from worker.fastpath.prefill import ChunkTail, Prefill
+    from worker.fastpath.scoring import additive_mask, tail_layout
+    from worker.memory import MASK_ALIGN
+
+    rows = [
+        ScoreRow(ids=[1] * 5, choices=((3, 4), (5,)), adapter=None),
+        ScoreRow(ids=[1] * 2, choices=((6, 7, 8),), adapter=None),
+        ScoreRow(ids=[1] * 7, choices=((9,), (10,), (11, 12)), adapter=None),
+    ]
+    span, dim, groups = 7, 8, heads // kv_heads
+    layout = tail_layout(rows, [0, 1, 2], span)
+    mask = additive_mask(layout.mask, groups, torch.float32, torch.device("cpu"))
+    assert mask.stride(-2) % MASK_ALIGN == 0
+    prefill = Prefill.__new__(Prefill)
+    prefill.stack = SimpleNamespace(heads=heads, kv_heads=kv_heads, head_dim=dim, groups=groups)
+    tail = ChunkTail(tokens=layout.tokens, positions=layout.positions, mask=mask)
+    n, length = len(rows), span + tail.width
+    generator = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    q = torch.randn(n, heads, length, dim, generator=generator)
+    k, v = (torch.randn(n, kv_heads, length, dim, generator=generator) for _ in range(2))
+    got = prefill._with_tail(tail, q, k, v, span, 0.3)
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    prompt = F.scaled_dot_product_attention(q[:, :, :span], k[:, :, :span], v[:, :, :span], is_causal=True, scale=0.3)
+    seen = torch.from_numpy(layout.mask)[:, None]
+    choices = F.scaled_dot_product_attention(q[:, :, span:], k, v, attn_mask=seen, scale=0.3)
+    want = torch.cat((prompt, choices), dim=2).transpose(1, 2).reshape(n, length, heads * dim)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_choices_of_one_token_each_are_scored_by_their_first_token_alone(engine: Engine) -> None:
+    """Rows whose choices are one token each (a chunk with no later token to score): each choice's score is
+    that token's log-probability after the prompt."""
+    decoder = engine.decoders["default"]
+    base = engine.base_for("laya")
+    items = [engine.encoder.encode(Job(custom_id=str(i), model="laya", prompt=PROMPTS[i])) for i in range(3)]
+    rows = [ScoreRow(ids=it.ids, choices=((5,), (9,), (17,)), adapter=it.adapter) for it in items]
+    scored = decoder.score(rows, pad_id=base.tokenizer.pad_token_id)
+    assert scored is not None and scored.bad == [False] * 3
+    for row, got in zip(rows, scored.loglik, strict=True):
+        want = [reference(engine, "laya", row.ids, c) for c in row.choices]
+        assert got == pytest.approx(want, abs=2e-4, rel=1e-4)

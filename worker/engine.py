@@ -218,8 +218,7 @@ class Engine:
         generation plans ~176 at Laya's longest prompts). `run` packs the rows by their real lengths and kinds
         into sub-batches that fit, so a take of long prompts or of other rows is still safe; sizing the take by
         what was seen keeps it from being split (each sub-batch decodes as many steps as its longest answer)."""
-        seen = max(TYPICAL_INPUT_TOKENS, self._longest_prompt.get(model, 0))
-        typical = min(self.config.models[model].max_input_tokens, seen)
+        typical = self._sized_prompt(model)
         scored = self._scored_tokens.get(model)
         self.loops.drop_idle(GRAPH_IDLE_S, min_rows=GRAPH_DROP_ROWS)
         self.refresh_memory()
@@ -257,13 +256,19 @@ class Engine:
         except JobFailure:
             return False  # it fails when it runs; nothing to plan for
         model = job.model
-        before = (self._longest_prompt.get(model, 0), self._scored_tokens.get(model))
-        self._longest_prompt[model] = max(before[0], len(item.ids))
+        before = (self._sized_prompt(model), self._scored_tokens.get(model))
+        self._longest_prompt[model] = max(self._longest_prompt.get(model, 0), len(item.ids))
         if job.scores_choices and self._scores_on_loop(model):
             self._scored_tokens[model] = max(before[1] or 0, self.choices.count(job))
         else:
             self._scored_tokens.pop(model, None)  # a row that generates is coming: a take sized for those
-        return (self._longest_prompt[model], self._scored_tokens.get(model)) != before
+        return (self._sized_prompt(model), self._scored_tokens.get(model)) != before
+
+    def _sized_prompt(self, model: str) -> int:
+        """The prompt length `capacity` plans a take of this model for: the longest of its last batch (or an
+        expected job), at least a typical one, at most the model's input limit."""
+        seen = max(TYPICAL_INPUT_TOKENS, self._longest_prompt.get(model, 0))
+        return min(self.config.models[model].max_input_tokens, seen)
 
     def stats(self) -> EngineStats:
         """Counters for logs, status and benchmarks."""

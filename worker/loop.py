@@ -270,9 +270,13 @@ class BatchWorker:
             job = Job.from_dict(raw.payload, allow_system=True)
         except Exception:  # any bytes can be in Redis: the take refuses this job when it comes
             return capacity
-        if job.model != ref.model or not self.engine.expect(job):
+        try:
+            if job.model != ref.model or not self.engine.expect(job):
+                return capacity
+            return self.engine.capacity(ref.model)
+        except Exception:  # a hostile front job must not end the loop: it fails in its own take
+            log.exception("sizing the take by job %s at the front of %s failed; keeping %d rows", raw.id, ref, capacity)
             return capacity
-        return self.engine.capacity(ref.model)
 
     def _run_take(self, taken: Take) -> None:
         rows = taken.rows

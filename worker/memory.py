@@ -53,6 +53,11 @@ def parse_bytes(text: str) -> int:
     return int(number * base ** "_KMGT".index(unit or "_")) if unit else int(number)
 
 
+# The memory-efficient attention kernel reads a mask's rows at this alignment (entries): torch pads (copies) a
+# mask whose rows are not aligned, on every call; choice scoring's masks are built aligned.
+MASK_ALIGN = 16
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
     layers: int
@@ -125,10 +130,10 @@ class ModelShape:
     def choice_held_bytes_per_token(self, row_tokens: int, dtype_bytes: int = 2) -> int:
         """What a choice token scored inside the prefill (worker/fastpath/scoring.py) holds while its group goes
         through the layers: a prompt token's held states, its additive attention mask over its row's
-        `row_tokens` (prompt and choices, the row aligned to 16 entries; one for every query head of its KV
+        `row_tokens` (prompt and choices, the row aligned to `MASK_ALIGN` entries; one for every query head of its KV
         head, in the compute dtype), its rotary cos and sin, and its int64 token, position and scoring indices
         (a bound: a prompt token of a scored row holds less)."""
-        mask = self.heads // self.kv_heads * (row_tokens + 15) * dtype_bytes
+        mask = self.heads // self.kv_heads * (row_tokens + MASK_ALIGN - 1) * dtype_bytes
         rotary = self.rotary_bytes_per_token(dtype_bytes)
         return self.prefill_held_bytes_per_token(dtype_bytes) + mask + rotary + 5 * 8
 

@@ -292,7 +292,8 @@ class Prefill:
         self.merge_lora = merge_lora
         self.own = True  # False: prefill through the model's forward (after a failure, or to compare)
         # The most one group of the last take held between layers (its chunks' hidden states, ids and cache
-        # columns), measured from the tensors: what the planner's held term must cover.
+        # columns; with tails their masks and per-row rotary tables), measured from the tensors: what the
+        # planner's held term must cover.
         self.held_bytes = 0
         self.last_tokens = tokens  # the chunk size the last take's own prefill ran
         # The elementwise steps a chunk's layers run: the stack's prefill set (on a GPU our rotary, SiLU x up and
@@ -457,6 +458,8 @@ class Prefill:
         group and only one group's hidden states are held. Each row's first-token logits go into `logits`;
         with `tails`, each chunk carries its rows' tail (of `tail_tokens` tokens a row), and `tails` finishes
         each group instead."""
+        if (tails is None) != (tail_tokens is None):
+            raise ValueError("tails and tail_tokens go together: a chunk counts its rows' tail tokens")
         prompts = Prompts.of([r.ids for r in rows])
         self.held_bytes = 0
         self.last_tokens = self.tokens if tokens is None else tokens
@@ -483,7 +486,11 @@ class Prefill:
         hidden = [self._embedded(c) for c in chunks]
         held = sum(h.nbytes + c.ids.nbytes + c.columns.nbytes for h, c in zip(hidden, chunks, strict=True))
         # A tail's mask and its chunk's per-row rotary tables stay for every layer too.
-        held += sum(c.tail.mask.nbytes + r.nbytes for c, r in zip(chunks, rotary, strict=True) if c.tail is not None)
+        held += sum(
+            c.tail.mask.untyped_storage().nbytes() + r.nbytes
+            for c, r in zip(chunks, rotary, strict=True)
+            if c.tail is not None
+        )
         self.held_bytes = max(self.held_bytes, held)
         passes = Passes.of(chunks, merge=self.merge_lora)
         caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None] = kv if kv is not None else [None] * len(s.layers)
@@ -583,11 +590,12 @@ class Prefill:
         s = self.stack
         rows, width = q.shape[0], tail.width
         attn = q.new_empty(rows, span + width, s.heads * s.head_dim)
+        mask = tail.mask if tail.mask.dtype == q.dtype else tail.mask.to(q.dtype)  # SDPA takes the queries' dtype
         prompt = causal_attention(q[:, :, :span], k[:, :, :span], v[:, :, :span], scale=scale)
         attn[:, :span].view(rows, span, s.heads, s.head_dim).copy_(prompt.transpose(1, 2))
         del prompt
         grouped = q[:, :, span:].reshape(rows, s.kv_heads, s.groups * width, s.head_dim)
-        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=tail.mask, scale=scale)
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
         shaped = out.view(rows, s.kv_heads, s.groups, width, s.head_dim).permute(0, 3, 1, 2, 4)
         attn[:, span:].view(rows, width, s.kv_heads, s.groups, s.head_dim).copy_(shaped)
         return attn

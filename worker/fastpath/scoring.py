@@ -32,6 +32,7 @@ from worker.fastpath.ops import prefill_attention
 from worker.fastpath.prefill import Chunk, ChunkTail, Prefill, host_to_device
 from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
 from worker.fastpath.weights import Stack
+from worker.memory import MASK_ALIGN
 
 log = logging.getLogger("kevlaya.fastpath")
 
@@ -77,11 +78,11 @@ class TailLayout:
     owners: list[Owner]  # ...and its owner
 
 
-def tail_layout(rows: Sequence[ScoreRow], members: Sequence[int], span: int, width: int | None = None) -> TailLayout:
+def tail_layout(rows: Sequence[ScoreRow], members: Sequence[int], span: int) -> TailLayout:
     """The layout of a chunk's rows (`rows`, row `r` the take's row `members[r]`), their prompts right-padded
-    to `span` (each row's real tokens first), their choices padded to `width` (default: their most)."""
+    to `span` (each row's real tokens first), their choices padded to their most."""
     n = len(rows)
-    width = width or max(row.choice_tokens for row in rows)
+    width = max(row.choice_tokens for row in rows)
     tokens = np.zeros((n, width), dtype=np.int64)
     positions = np.zeros((n, width), dtype=np.int64)
     choice_of = np.full((n, width), -1, dtype=np.int64)  # which choice of its row a token belongs to (-1: padding)
@@ -153,17 +154,12 @@ class Picks:
         return Scored(loglik=[tuple(s) for s in sums], bad=bad)
 
 
-# The memory-efficient attention kernel reads a mask's rows at this alignment (elements): torch pads (copies) a
-# mask whose rows are not aligned, on every call.
-MASK_ALIGN = 16
-
-
 @dataclass(frozen=True)
 class ScoredTail(ChunkTail):
     """A chunk's choices as its tail, and where its scored tokens are."""
 
     layout: TailLayout
-    later: torch.Tensor  # (scored later tokens, 2): each one's row in the chunk and column among the chunk's
+    later: torch.Tensor  # (2, scored later tokens): each one's row in the chunk, and its column among the chunk's
 
 
 def additive_mask(seen: np.ndarray, groups: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -220,14 +220,15 @@ class RQBridge(Registration, Reclaim):
         return good
 
     def head(self, ref: QueueRef) -> RawJob | None:
-        """The job at the front of a queue, decoded, without taking it (None: an empty queue, or bytes there
-        that are not a job id -- the take screens those)."""
+        """The job at the front of a queue, decoded, without taking it and without a side effect (None: an empty
+        queue, or bytes there that are not a job id, or a job key that is not a hash -- the take quarantines
+        those when it comes to them, once)."""
         try:
             first = self.redis.lindex(self.queues[ref].key, 0)
+            job_id = valid_id(first) if first is not None else None
+            return None if job_id is None else decode_job(job_id, self.redis.hgetall(RQJob.key_for(job_id)))
         except redis.exceptions.ResponseError:
-            return None  # not a list: the take quarantines it
-        job_id = valid_id(first) if first is not None else None
-        return None if job_id is None else self.load([job_id])[0]
+            return None
 
     def load(self, ids: Sequence[str]) -> list[RawJob]:
         """Fetch and decode job hashes; a malformed or hostile one comes back with its `problem` set."""
