@@ -10,7 +10,8 @@ LOG = """\
 02:28:19 INFO kevlaya.worker: batch model=laya n=256 ran=256 tokens=8192 wait=0.13s engine=1.52s total=1.56s tok/s=5377
 02:28:19 INFO kevlaya.engine: take for laya: 160 rows at prompts up to 426 tokens: 253 MiB left
 02:28:19 INFO kevlaya.fastpath: decode: captured a graph for 160 rows x 512 tokens (laya; 10 captured)
-02:28:20 INFO kevlaya.worker: batch model=kev+laya n=160 ran=160 tokens=5120 wait=1.69s engine=0.73s total=0.75s
+02:28:20 INFO kevlaya.worker: batch model=kev+laya n=160 ran=160 tokens=5120 wait=1.69s engine=0.73s total=0.75s \
+tok/s=7014 (host: take 0.025s, triage 0.011s, write 0.017s)
 02:28:21 ERROR kevlaya.engine: OUT OF MEMORY at 160 rows (out-of-memory error #1 of this worker): ...
 02:28:21 INFO kevlaya.worker: job j1 says engine=9.99s in its prompt, not a batch line
 02:28:22 INFO kevlaya.engine: take: 144 kev rows (generation, prompts up to 412 tokens): allocator peak 4344 MiB \

@@ -122,6 +122,23 @@ def test_a_full_take_is_sized_for_the_job_at_the_queues_front(client: Client, re
     assert_each_item_answered_once(client, redis, handle.id, 20)
 
 
+def test_each_batch_logs_the_loops_host_work_beside_the_engine(
+    client: Client, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The batch line gives the take, triage and write seconds (the loop's host work, the GPU idle meanwhile)
+    beside the engine's, and they fit in the batch's total."""
+    import re
+
+    client.submit_batch([{"custom_id": f"h{i}", "model": "laya", "prompt": "p", "escalate": False} for i in range(5)])
+    with caplog.at_level("INFO", logger="kevlaya.worker"):
+        drain(redis, FakeEngine(config=FAKE_CONFIG))
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("batch model=")]
+    found = re.search(r"total=([0-9.]+)s .*\(host: take ([0-9.]+)s, triage ([0-9.]+)s, write ([0-9.]+)s\)", line)
+    assert found is not None, line
+    total, take, triage, write = map(float, found.groups())
+    assert min(take, triage, write) >= 0 and triage + write <= total + 0.01  # the total printed to 10 ms
+
+
 def test_no_escalate_batch(client: Client, redis: Redis, engine: Engine) -> None:
     handle = client.submit_batch([{"custom_id": "a", "model": "laya", "prompt": "p", "escalate": 1.0}], escalate=False)
     drain(redis, engine)

@@ -212,13 +212,15 @@ class BatchWorker:
         self.current_model = ref.model
         self._pace_now = time.monotonic()
         paced = self._pacing(ref, states)
+        take_started = time.monotonic()
         taken = self._take(ref, states, suspects=facts[ref].suspect_groups, queued=facts[ref].depth)
+        take_s = time.monotonic() - take_started
         if not taken.rows:
             # Back in the idle set: a take whose every id was quarantined left it in the take's script.
             self.presence.report(busy=False)
             return True
         started = time.monotonic()
-        self._run_take(taken)
+        self._run_take(taken, take_s)
         # Only a normal bulk take of this model alone tells what its takes cost (not a suspect group, not a take
         # topped up with another model's tail).
         if ref.lane == BULK and taken.allowed and all(r.model == ref.model for r in taken.rows):
@@ -278,7 +280,7 @@ class BatchWorker:
             log.exception("sizing the take by job %s at the front of %s failed; keeping %d rows", raw.id, ref, capacity)
             return capacity
 
-    def _run_take(self, taken: Take) -> None:
+    def _run_take(self, taken: Take, take_s: float = 0.0) -> None:
         rows = taken.rows
         with self._lock:
             self._in_flight = {q: [r.raw.id for r in rows if r.ref == q] for q in {r.ref for r in rows}}
@@ -289,7 +291,7 @@ class BatchWorker:
                 self.stats.dead_lettered += len(rows)
                 self._write(dead_letter(self.settler, rows))
             else:
-                self._process(rows)
+                self._process(rows, take_s)
         finally:
             with self._lock:
                 self._in_flight = {}
@@ -298,19 +300,23 @@ class BatchWorker:
             ok = max(len(rows) - errors, 0)
             self.presence.report(busy=False, ok=ok, failed=errors, seconds=time.time() - started)
 
-    def _process(self, rows: list[Row]) -> None:
+    def _process(self, rows: list[Row], take_s: float = 0.0) -> None:
         """Settled rows are written first; then the rest run as one batch. A take is either normal jobs or one
-        suspect group (worker.recovery), never both, so a crash is charged to exactly the jobs that ran."""
+        suspect group (worker.recovery), never both, so a crash is charged to exactly the jobs that ran.
+        `take_s`: what taking the rows cost (for the batch's log line, beside its other host work)."""
         started = time.time()
         triage = self.settler.triage(rows)
+        triaged = time.time()
         self._write(triage.settled)
         outputs: list[Any] = []
-        engine_s = 0.0
+        engine_s = write_s = 0.0
         if triage.runnable:
             engine_started = time.time()
             outputs = self._run_engine([r.job for r in triage.runnable if r.job is not None])
             engine_s = time.time() - engine_started
+            write_started = time.time()
             self._write(self.settler.results(triage, outputs, engine_s=engine_s))
+            write_s = time.time() - write_started
         waits = [started - r.raw.enqueued_at for r in rows if r.raw.enqueued_at]
         facts = BatchFacts(
             models=tuple(sorted({r.model for r in rows})),
@@ -322,6 +328,9 @@ class BatchWorker:
             wait_s=max(waits, default=0.0),
             engine_s=engine_s,
             total_s=time.time() - started,
+            take_s=take_s,
+            triage_s=triaged - started,
+            write_s=write_s,
         )
         self.stats.record(facts, peak_memory_bytes=getattr(self.engine, "peak_memory_bytes", lambda: 0)())
         self.stats.count_engine(self.engine)

@@ -33,6 +33,11 @@ class BatchFacts:
     wait_s: float
     engine_s: float
     total_s: float
+    # The loop's own host work around the engine, the GPU idle meanwhile: taking the rows from Redis, triage
+    # (decode, checks, marking them running), writing the results (with follow-ups and registries).
+    take_s: float = 0.0
+    triage_s: float = 0.0
+    write_s: float = 0.0
 
 
 @dataclass
@@ -73,7 +78,8 @@ class WorkerStats:
         self.last_job_at = now
         self.peak_memory_bytes = max(self.peak_memory_bytes, peak_memory_bytes)
         log.info(
-            "batch model=%s n=%d ran=%d tokens=%d wait=%.2fs engine=%.2fs total=%.2fs tok/s=%.0f",
+            "batch model=%s n=%d ran=%d tokens=%d wait=%.2fs engine=%.2fs total=%.2fs tok/s=%.0f "
+            "(host: take %.3fs, triage %.3fs, write %.3fs)",
             "+".join(facts.models),
             facts.jobs,
             facts.ran,
@@ -82,6 +88,9 @@ class WorkerStats:
             facts.engine_s,
             facts.total_s,
             facts.generated_tokens / max(facts.engine_s, 1e-9),
+            facts.take_s,
+            facts.triage_s,
+            facts.write_s,
         )
 
     def count_engine(self, engine: Any) -> None:
