@@ -173,6 +173,11 @@ class ChunkTail:
 class Tails(Protocol):
     """A take's tails (choice scoring): one per chunk, and what is done with them after the last layer."""
 
+    @property
+    def row_tokens(self) -> Sequence[int]:
+        """Each row's tail tokens (a chunk counts its longest among its tokens)."""
+        ...
+
     def for_chunk(self, members: list[int], span: int) -> ChunkTail:
         """The tail of the chunk of rows `members` (indices into the take), their prompts padded to `span`."""
         ...
@@ -449,21 +454,18 @@ class Prefill:
         tokens: int | None = None,
         *,
         tails: Tails | None = None,
-        tail_tokens: Sequence[int] | None = None,
     ) -> None:
         """Every chunk (of about `tokens` prompt tokens; default `self.tokens`) through the decoder layers as HF
         computes them (same modules, same LoRA arithmetic as PEFT), without PEFT's per-module Python or a dynamic
         cache to copy from: K/V go straight into the static cache `kv` (None: nowhere). Group by group
         (`layer_groups`), each group layer by layer, so each layer's 4-bit weights are dequantised once per
         group and only one group's hidden states are held. Each row's first-token logits go into `logits`;
-        with `tails`, each chunk carries its rows' tail (of `tail_tokens` tokens a row), and `tails` finishes
+        with `tails`, each chunk carries its rows' tail (`Tails.row_tokens` tokens a row), and `tails` finishes
         each group instead."""
-        if (tails is None) != (tail_tokens is None):
-            raise ValueError("tails and tail_tokens go together: a chunk counts its rows' tail tokens")
         prompts = Prompts.of([r.ids for r in rows])
         self.held_bytes = 0
         self.last_tokens = self.tokens if tokens is None else tokens
-        for group in self.layer_groups(rows, tokens, tail_tokens):
+        for group in self.layer_groups(rows, tokens, None if tails is None else tails.row_tokens):
             self._group(kv, prompts, rows, group, width, pad_id, logits, tails)
 
     def _group(

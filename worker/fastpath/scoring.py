@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from worker.fastpath.ops import prefill_attention
+from worker.fastpath.pointwise import cdiv
 from worker.fastpath.prefill import Chunk, ChunkTail, Prefill, host_to_device
 from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
 from worker.fastpath.weights import Stack
@@ -166,7 +167,7 @@ def additive_mask(seen: np.ndarray, groups: int, dtype: torch.dtype, device: tor
     """A chunk's (rows, T, keys) bool mask as the tail's attention reads it (`ChunkTail.mask`): repeated for each
     query head of a KV head, 0 where seen and -inf elsewhere, in a buffer whose rows are `MASK_ALIGN`-aligned."""
     rows, width, keys = seen.shape
-    aligned = -(-keys // MASK_ALIGN) * MASK_ALIGN
+    aligned = cdiv(keys, MASK_ALIGN) * MASK_ALIGN
     buffer = torch.full((rows, 1, groups * width, aligned), -math.inf, dtype=dtype, device=device)
     mask = buffer[..., :keys]
     mask.view(rows, groups, width, keys).masked_fill_(host_to_device(seen, device)[:, None], 0.0)
@@ -181,6 +182,7 @@ class ChoiceTails:
         self.stack = stack
         self.rows = rows
         self.picks = picks
+        self.row_tokens = [row.choice_tokens for row in rows]
 
     def for_chunk(self, members: list[int], span: int) -> ScoredTail:
         s = self.stack
@@ -206,10 +208,11 @@ class ChoiceTails:
         head_owners: list[Owner] = []
         targets: list[int] = []
         owners: list[Owner] = []
+        offset = 0  # the chunk's first row among the group's
         for c, x in zip(chunks, finals, strict=True):
             tail = c.tail
             assert isinstance(tail, ScoredTail)
-            layout, offset = tail.layout, sum(t.shape[0] for t in lasts)
+            layout = tail.layout
             lasts.append(x[torch.arange(x.shape[0], device=s.device), c.last])
             head_rows.extend(r + offset for r in layout.head_rows)
             heads.extend(layout.heads)
@@ -218,6 +221,7 @@ class ChoiceTails:
                 later.append(x[tail.later[0], tail.later[1]])
                 targets.extend(layout.targets)
                 owners.extend(layout.owners)
+            offset += x.shape[0]
         last = torch.cat(lasts)
         rows = np.asarray(head_rows, dtype=np.int64)  # ascending
         on_device = host_to_device(np.stack((rows, np.asarray(heads, dtype=np.int64))), s.device)
@@ -255,7 +259,6 @@ def score_in_prefill(prefill: Prefill, rows: Sequence[ScoreRow], *, pad_id: int)
                 None,
                 prefill.chunk_tokens(),
                 tails=ChoiceTails(prefill.stack, rows, picks),
-                tail_tokens=[row.choice_tokens for row in rows],
             )
     except torch.OutOfMemoryError:
         raise
