@@ -114,7 +114,7 @@ def reference_chunk(prefill: Prefill, rows: Sequence[PromptRow], group: list[int
         ids=to_device(ids, device),
         rows=index,
         columns=to_device(columns, device),
-        last=to_device(torch.tensor(lengths) - 1, device),
+        reads=to_device(torch.tensor(lengths)[:, None] - 1, device),
         masks=row_masks([rows[i] for i in group], prefill.stack.dtype, device),
     )
 
@@ -145,10 +145,13 @@ def chunk_major(
     pad_id: int,
     logits: torch.Tensor,
     tokens: int | None = None,
+    *,
+    every_position: bool = False,
 ):
     """Each chunk (of about `tokens`, default the prefill's own) through every layer before the next chunk:
     weights dequantised (and merged) per chunk and layer, K/V repeated to every query head, rotary per chunk
-    from its (rows, span) positions."""
+    from its (rows, span) positions. The last layer's output projection and MLP run at each row's last position
+    only, as the loop's do (`every_position`: at every position, as HF's forward does)."""
     s = prefill.stack
     for group in reference_groups(rows, tokens or prefill.tokens):
         c = reference_chunk(prefill, rows, group, width, pad_id)
@@ -167,8 +170,11 @@ def chunk_major(
                 q, repeat_kv(k, s.groups), repeat_kv(v, s.groups), is_causal=True, scale=layer.scaling
             )
             attn = out.transpose(1, 2).reshape(count, span, s.heads * s.head_dim)
+            if i == len(s.layers) - 1 and not every_position:
+                at = torch.arange(count, device=s.device)[:, None]
+                attn, h = attn[at, c.reads], h[at, c.reads]
             h, x = s.rest(layer, h, attn, masks, s.next_norm(i), dense)
-        last = x[torch.arange(count, device=s.device), c.last]
+        last = x[:, 0] if x.shape[1] == 1 and not every_position else x[torch.arange(count), c.reads[:, 0]]
         logits[c.where] = s.head(last)
 
 
@@ -226,6 +232,34 @@ def test_same_cache_and_logits_as_chunk_major(decoder: StaticDecoder, merge_lora
     assert_same_cache(kv_new, kv_old)
     assert torch.equal(new, old)
     assert decoder.own_prefill
+
+
+def test_the_last_layer_runs_its_projection_and_mlp_only_at_the_last_prompt_positions(
+    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last layer's output projection and MLP see one position a row (every other layer a chunk's every
+    position); its K/V are the whole prompt's as before, and the first-token logits are those of a run through
+    every position up to float rounding (fewer rows in a matmul may round differently), their argmax the same."""
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    index = {id(layer): i for i, layer in enumerate(decoder.stack.layers)}
+    record = lambda layer, h, x, *a, **k: seen.append((index[id(layer)], tuple(x.shape[:2])))  # noqa: E731
+    monkeypatch.setattr(decoder.stack, "mlp", _counting(decoder.stack.mlp, record))
+    rows = decode_rows()
+    width = max(len(r.ids) for r in rows)
+    kv_new, kv_old = fresh_kv(decoder, len(rows), width + 4), fresh_kv(decoder, len(rows), width + 4)
+    with torch.inference_mode():
+        new = decoder.prefill.run(kv_new, rows, width=width, out_rows=len(rows), pad_id=0, select=_no_fallback)
+        seen_new = list(seen)
+        old = torch.zeros_like(new)
+        chunk_major(decoder.prefill, kv_old, rows, width, 0, old, every_position=True)
+    last = len(decoder.stack.layers) - 1
+    chunks = decoder.prefill.chunks(rows, width, 0)
+    assert sorted(shape for i, shape in seen_new if i == last) == sorted((len(c.ids), 1) for c in chunks)
+    assert sorted(shape for i, shape in seen_new if i == 0) == sorted(tuple(c.ids.shape) for c in chunks)
+    assert_same_cache(kv_new, kv_old)
+    tolerance = 1e-4 if new.dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(new.float(), old.float(), rtol=tolerance, atol=tolerance)
+    assert torch.equal(new.float().argmax(-1), old.float().argmax(-1))
 
 
 @pytest.mark.parametrize(
@@ -376,7 +410,7 @@ def test_chunk_tensors_built_at_once_hold_what_row_by_row_building_gave(decoder:
     assert len(chunks) == len(groups)
     for got, group in zip(chunks, groups, strict=True):
         want = reference_chunk(decoder.prefill, rows, group, width, 1)
-        for name in ("ids", "rows", "columns", "last"):
+        for name in ("ids", "rows", "columns", "reads"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
         if isinstance(want.where, slice):
             assert got.where == want.where

@@ -160,7 +160,7 @@ class ScoredTail(ChunkTail):
     """A chunk's choices as its tail, and where its scored tokens are."""
 
     layout: TailLayout
-    later: torch.Tensor  # (2, scored later tokens): each one's row in the chunk, and its column among the chunk's
+    later: torch.Tensor  # (2, scored later tokens): each one's row in the chunk, and its column in the final states
 
 
 def additive_mask(seen: np.ndarray, groups: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -187,7 +187,8 @@ class ChoiceTails:
     def for_chunk(self, members: list[int], span: int) -> ScoredTail:
         s = self.stack
         layout = tail_layout([self.rows[i] for i in members], members, span)
-        later = np.stack((np.asarray(layout.rows, dtype=np.int64), span + np.asarray(layout.columns, dtype=np.int64)))
+        # Columns of the final states, which hold the prompt's last position first, then the tail (`Chunk.reads`).
+        later = np.stack((np.asarray(layout.rows, dtype=np.int64), 1 + np.asarray(layout.columns, dtype=np.int64)))
         return ScoredTail(
             tokens=layout.tokens,
             positions=layout.positions,
@@ -213,7 +214,7 @@ class ChoiceTails:
             tail = c.tail
             assert isinstance(tail, ScoredTail)
             layout = tail.layout
-            lasts.append(x[torch.arange(x.shape[0], device=s.device), c.last])
+            lasts.append(x[:, 0])
             head_rows.extend(r + offset for r in layout.head_rows)
             heads.extend(layout.heads)
             head_owners.extend(layout.head_owners)
