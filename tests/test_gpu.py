@@ -313,3 +313,18 @@ def test_the_lora_folded_nf4_matmul_is_the_separate_one_within_bfloat16_rounding
                 torch.testing.assert_close(got, want, rtol=0.02, atol=0.01 * scale)
     finally:
         nf4.KERNEL.on = True
+
+
+def test_the_pinned_ring_never_overwrites_bytes_a_queued_copy_has_not_read() -> None:
+    """Copies queued behind a long kernel, through a ring a fraction of their total size: the host comes round to
+    each region while the GPU has not yet run the copies from it, and must wait for them; every tensor arrives as
+    it was sent (without the wait, later tensors' bytes would overwrite earlier ones' before their copies ran)."""
+    from worker.fastpath.staging import PinnedRing
+
+    ring = PinnedRing(torch.device("cuda", torch.cuda.current_device()), nbytes=16 * 1024)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of every copy below
+    sent = [torch.full((300,), i, dtype=torch.int64) for i in range(64)]  # 2,400 bytes each: 150 KiB in all
+    arrived = [ring.send(t) for t in sent]
+    torch.cuda.synchronize()
+    for want, got in zip(sent, arrived, strict=True):
+        assert torch.equal(got.cpu(), want)

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from worker.fastpath import staging
 from worker.fastpath.graphs import KV
 from worker.fastpath.ops import Ops, causal_attention, prefill_attention
 from worker.fastpath.weights import Dense, Layer, Masks, Stack, is_mixed, only_adapter
@@ -80,11 +81,12 @@ class PromptRow(Protocol):
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor onto `device` without waiting for the GPU: a plain `.to("cuda")` synchronises the stream,
-    so each prefill chunk's inputs would wait for the previous chunk's kernels to finish."""
+    """A host tensor onto `device` without waiting for the GPU (worker/fastpath/staging.py): a plain
+    `.to("cuda")` synchronises the stream, so each prefill chunk's inputs would wait for the previous chunk's
+    kernels to finish."""
     if device.type != "cuda":
         return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return staging.to_cuda(tensor, device)
 
 
 @dataclass(frozen=True)
