@@ -318,13 +318,45 @@ def test_the_lora_folded_nf4_matmul_is_the_separate_one_within_bfloat16_rounding
 def test_the_pinned_ring_never_overwrites_bytes_a_queued_copy_has_not_read() -> None:
     """Copies queued behind a long kernel, through a ring a fraction of their total size: the host comes round to
     each region while the GPU has not yet run the copies from it, and must wait for them; every tensor arrives as
-    it was sent (without the wait, later tensors' bytes would overwrite earlier ones' before their copies ran)."""
+    it was sent (without the wait, later tensors' bytes would overwrite earlier ones' before their copies ran).
+    The buffer is pinned, and the first pass round the ring does not wait (pageable memory would copy at once,
+    and the test could not fail)."""
+    import time
+
+    from worker.fastpath.staging import REGIONS, PinnedRing, to_cuda
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    ring = PinnedRing(device, nbytes=16 * 1024)
+    assert ring.buffer.is_pinned()
+    sent = [torch.full((300,), i, dtype=torch.int64) for i in range(64)]  # 2,400 bytes each: 150 KiB in all
+    warm = [torch.empty(300, dtype=torch.int64, device=device) for _ in sent]  # the allocator's blocks ready
+    del warm
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time ahead of every copy below
+    started = time.perf_counter()
+    arrived = [ring.send(sent[i]) for i in range(REGIONS)]
+    first_pass_s = time.perf_counter() - started
+    arrived += [ring.send(t) for t in sent[REGIONS:]]
+    torch.cuda.synchronize()
+    assert first_pass_s < 0.2, "the first pass round the ring waited for the GPU"
+    for want, got in zip(sent, arrived, strict=True):
+        assert torch.equal(got.cpu(), want)
+    assert torch.equal(to_cuda(torch.arange(5), torch.device("cuda")).cpu(), torch.arange(5))
+
+
+def test_the_pinned_ring_waits_for_copies_queued_on_a_side_stream() -> None:
+    """Copies queued on a side stream behind a long kernel, while the default stream idles: the ring's events are
+    recorded on the stream the copies went on, so it still waits before reusing their bytes."""
     from worker.fastpath.staging import PinnedRing
 
-    ring = PinnedRing(torch.device("cuda", torch.cuda.current_device()), nbytes=16 * 1024)
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of every copy below
-    sent = [torch.full((300,), i, dtype=torch.int64) for i in range(64)]  # 2,400 bytes each: 150 KiB in all
-    arrived = [ring.send(t) for t in sent]
+    device = torch.device("cuda", torch.cuda.current_device())
+    ring = PinnedRing(device, nbytes=16 * 1024)
+    assert torch.equal(ring.send(torch.arange(3)).cpu(), torch.arange(3))  # a region begun on the default stream
+    sent = [torch.full((300,), i, dtype=torch.int64) for i in range(32)]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)
+        arrived = [ring.send(t) for t in sent]
     torch.cuda.synchronize()
     for want, got in zip(sent, arrived, strict=True):
         assert torch.equal(got.cpu(), want)

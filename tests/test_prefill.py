@@ -174,7 +174,7 @@ def chunk_major(
                 at = torch.arange(count, device=s.device)[:, None]
                 attn, h = attn[at, c.reads], h[at, c.reads]
             h, x = s.rest(layer, h, attn, masks, s.next_norm(i), dense)
-        last = x[:, 0] if x.shape[1] == 1 and not every_position else x[torch.arange(count), c.reads[:, 0]]
+        last = x[torch.arange(count), c.reads[:, 0]] if every_position else x[:, 0]
         logits[c.where] = s.head(last)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -134,6 +135,36 @@ def test_scores_are_the_same_whatever_the_head_slices(engine: Engine, monkeypatc
         assert got is not None
         for want_row, got_row in zip(whole.loglik, got.loglik, strict=True):
             assert got_row == pytest.approx(want_row, abs=1e-5)
+
+
+def test_the_last_layer_scores_from_the_last_prompt_position_and_the_choices_alone(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past attention, the last layer runs each scoring chunk's rows at one prompt position and their choice
+    tokens only, (rows, 1 + T); every other layer at the chunk's every position. The scores stay those of the
+    plain log-likelihood (`test_choice_scores_equal_a_plain_log_likelihood`)."""
+    decoder = engine.decoders["default"]
+    stack = decoder.stack
+    index = {id(layer): i for i, layer in enumerate(stack.layers)}
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    mlp = stack.mlp
+
+    def record(layer: Any, h: torch.Tensor, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        seen.append((index[id(layer)], tuple(x.shape[:2])))
+        return mlp(layer, h, x, *args, **kwargs)
+
+    monkeypatch.setattr(stack, "mlp", record)
+    rows = scored_rows(engine, 9)
+    pad_id = engine.base_for("kev").tokenizer.pad_token_id
+    assert decoder.score(rows, pad_id=pad_id) is not None
+    chunks = decoder.prefill.chunk_rows(rows, decoder.prefill.chunk_tokens(), [r.choice_tokens for r in rows])
+    widths = [max(rows[i].choice_tokens for i in c) for c in chunks]
+    spans = [max(len(rows[i].ids) for i in c) for c in chunks]
+    last = len(stack.layers) - 1
+    want = sorted((len(c), 1 + w) for c, w in zip(chunks, widths, strict=True))
+    assert sorted(shape for i, shape in seen if i == last) == want
+    first = sorted(shape for i, shape in seen if i == 0)
+    assert first == sorted((len(c), s + w) for c, s, w in zip(chunks, spans, widths, strict=True))
 
 
 def test_scoring_needs_no_kv_pool_and_leaves_the_loops_state_alone(engine: Engine) -> None:

@@ -28,34 +28,42 @@ class PinnedRing:
 
     def __init__(self, device: torch.device, nbytes: int = RING_BYTES) -> None:
         self.device = device
-        self.buffer = self._allocate(nbytes)
-        self.region_bytes = nbytes // REGIONS
+        self.region_bytes = nbytes // REGIONS // ALIGN * ALIGN  # every region starts aligned
+        with torch.inference_mode(False):  # a buffer written outside inference mode too
+            self.buffer = self._allocate(self.region_bytes * REGIONS)
         self.region = 0  # the region being filled...
-        self.offset = 0  # ...and its next free byte
+        self.offset = 0  # ...its next free byte...
+        self.stream: object = None  # ...and the stream its copies were queued on (None: none yet)
         self.left: list[torch.cuda.Event | None] = [None] * REGIONS  # recorded as the ring last left each region
 
     def send(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` (on the CPU) copied to the device; larger than a region, or while a CUDA graph is being
-        captured (a graph would read the ring's bytes at replay), through a pinned copy of its own."""
+        """`tensor` (on the CPU) copied to the device; one larger than a region through a pinned copy of its own.
+        Refused while a CUDA graph is being captured: a graph would read the host bytes again at every replay,
+        long after they were reused."""
+        if self._capturing():
+            raise RuntimeError("host tensors cannot be sent to the GPU while a CUDA graph is being captured")
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes > self.region_bytes or self._capturing():
+        if nbytes > self.region_bytes:
             return tensor.pin_memory().to(self.device, non_blocking=True)
-        start = self.claim(nbytes)
+        start = self.claim(nbytes, self._stream())
         staged = self.buffer[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
         staged.copy_(tensor)
         return staged.to(self.device, non_blocking=True)
 
-    def claim(self, nbytes: int) -> int:
-        """The offset of `nbytes` free bytes, within one region: where they do not fit in the rest of the current
-        region, the next one, once the copies queued from it the last time round have run."""
+    def claim(self, nbytes: int, stream: object = None) -> int:
+        """The offset of `nbytes` free bytes, within one region, for a copy on `stream`: where they do not fit in
+        the rest of the current region, or the region's copies went on another stream (its event is recorded on
+        theirs), the next region, once the copies queued from it the last time round have run."""
         size = -(-nbytes // ALIGN) * ALIGN
-        if self.offset + size > (self.region + 1) * self.region_bytes:
+        full = self.offset + size > (self.region + 1) * self.region_bytes
+        if full or (self.stream is not None and stream != self.stream):
             self.left[self.region] = self._record()
             self.region = (self.region + 1) % REGIONS
             event, self.left[self.region] = self.left[self.region], None
             if event is not None:
                 event.synchronize()
             self.offset = self.region * self.region_bytes
+        self.stream = stream
         start = self.offset
         self.offset += size
         return start
@@ -63,15 +71,33 @@ class PinnedRing:
     def _allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
+    def _stream(self) -> object:
+        """The device's current stream, as its raw handle: torch's C accessor where this build has it
+        (`torch.cuda.current_stream` checks its argument in Python, ~30 us of host time on the H200 machine)."""
+        index = torch.cuda.current_device() if self.device.index is None else self.device.index
+        if _RAW_STREAM is not None:
+            return int(_RAW_STREAM(index))
+        return int(torch.cuda.current_stream(index).cuda_stream)
+
     def _record(self) -> torch.cuda.Event:
+        """An event after the copies queued from the region being left, on the stream they went on."""
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        if isinstance(self.stream, int) and self.stream != self._stream():
+            event.record(torch.cuda.ExternalStream(self.stream, device=self.device))
+        else:
+            event.record(torch.cuda.current_stream(self.device))
         return event
 
     def _capturing(self) -> bool:
-        return torch.cuda.is_current_stream_capturing()
+        """Whether this device's current stream is capturing (a device context only where it is not current:
+        building one costs ~10 us of host time)."""
+        if self.device.index is None or self.device.index == torch.cuda.current_device():
+            return torch.cuda.is_current_stream_capturing()
+        with torch.cuda.device(self.device):
+            return torch.cuda.is_current_stream_capturing()
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _RINGS: dict[torch.device, PinnedRing] = {}
 
 
