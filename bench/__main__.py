@@ -1,4 +1,4 @@
-"""`python -m bench {engine|nightly|fastpath|mixed|multigpu|kernels|prefill|submit|soak|recovery} ...`."""
+"""`python -m bench {engine|nightly|fastpath|mixed|multigpu|kernels|prefill|shapes|submit|soak|recovery} ...`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ def main() -> None:
         "multigpu": "bench.multigpu",
         "kernels": "bench.kernels",
         "prefill": "bench.prefill",
+        "shapes": "bench.shapes",
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(f"usage: python -m bench {{{'|'.join(commands)}}} [--help]", file=sys.stderr)

@@ -1,0 +1,128 @@
+"""A layer's matmuls at token counts the math library has not seen, against the same token counts again.
+
+    python -m bench shapes --device cuda --out $OUT/sh                    # the Qwen2.5-1.5B shape's matmuls
+    python -m bench shapes --device cpu --shape tiny --counts 4 --high 64  # a smoke run
+
+Prefill runs each chunk's matmuls at M = rows x span tokens, a count a live stream seldom repeats. The first call
+at a new M may cost the library a choice of kernel (and a GPU the load of a kernel it has not run yet): a
+workload's first takes ran 0.06-0.14 s slower than the same takes again in one process on the H200, with the
+same allocator segments and clocks (bench/RESULTS.md). This measures it alone: a layer's four matmuls (joint
+q/k/v with its bias, output projection, joint gate/up, down) at `--counts` token counts drawn between `--low`
+and `--high`, each the first time and then again (wall time, the device synchronised around each call), and at
+the same counts rounded up to a multiple of `--bucket` (what rounding chunk sizes would repeat, at the price of
+the bucket's extra rows). One row in bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import append_results, hardware, save_json, sync
+from worker.tools.tinymodel import SHAPES, TinyShape
+
+Matmuls = Callable[[int], None]
+
+
+def layer_matmuls(shape: TinyShape, device: str, dtype: torch.dtype, high: int) -> Matmuls:
+    """A function running one layer's four prefill matmuls at a token count (at most `high`)."""
+    head_dim = shape.hidden // shape.heads
+    qkv = (shape.heads + 2 * shape.kv_heads) * head_dim
+
+    def weight(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, device=device, dtype=dtype) / cols**0.5
+
+    w_qkv, b_qkv = weight(qkv, shape.hidden), torch.zeros(qkv, device=device, dtype=dtype)
+    w_o, w_gate_up = weight(shape.hidden, shape.heads * head_dim), weight(2 * shape.intermediate, shape.hidden)
+    w_down = weight(shape.hidden, shape.intermediate)
+    x = torch.randn(high, shape.hidden, device=device, dtype=dtype)
+    act = torch.randn(high, shape.intermediate, device=device, dtype=dtype)
+
+    def run(tokens: int) -> None:
+        F.linear(x[:tokens], w_qkv, b_qkv)
+        F.linear(x[:tokens], w_o)
+        F.linear(x[:tokens], w_gate_up)
+        F.linear(act[:tokens], w_down)
+
+    return run
+
+
+def timed_ms(run: Matmuls, tokens: int, device: str) -> float:
+    sync(device)
+    started = time.perf_counter()
+    run(tokens)
+    sync(device)
+    return (time.perf_counter() - started) * 1e3
+
+
+def passes(run: Matmuls, counts: list[int], device: str) -> dict[str, float]:
+    """Mean milliseconds of a layer's matmuls at each count the first time, then again."""
+    first = [timed_ms(run, m, device) for m in counts]
+    again = [timed_ms(run, m, device) for m in counts]
+    return {
+        "first_ms": round(statistics.fmean(first), 3),
+        "again_ms": round(statistics.fmean(again), 3),
+        "first_median_ms": round(statistics.median(first), 3),
+        "again_median_ms": round(statistics.median(again), 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="bench shapes", description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
+    parser.add_argument("--counts", type=int, default=24, help="token counts drawn (distinct)")
+    parser.add_argument("--low", type=int, default=4096, help="the fewest tokens drawn")
+    parser.add_argument("--high", type=int, default=8192, help="the most tokens drawn (a prefill chunk's most)")
+    parser.add_argument("--bucket", type=int, default=512, help="the rounding the bucketed pass shows")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench/out")
+    args = parser.parse_args(argv)
+    if not 1 <= args.low <= args.high or args.counts > args.high - args.low + 1 or args.bucket < 1:
+        parser.error("need 1 <= --low <= --high, --counts at most the counts between them, and --bucket >= 1")
+    device = args.device
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    shape = SHAPES[args.shape]
+    warm = -(-args.high // args.bucket) * args.bucket + 1  # past every count the passes use
+    run = layer_matmuls(shape, device, dtype, warm)
+    run(warm)  # the library loaded and set up once, at a count none of the passes uses
+    run(warm)
+    counts = random.Random(args.seed).sample(range(args.low, args.high + 1), args.counts)
+    bucketed = [-(-m // args.bucket) * args.bucket for m in counts]
+    report = {
+        "hardware": hardware(device, None),
+        "shape": args.shape,
+        "counts": len(counts),
+        "low": args.low,
+        "high": args.high,
+        "bucket": args.bucket,
+        "distinct_buckets": len(set(bucketed)),
+        "exact": passes(run, counts, device),
+        "bucketed": passes(run, bucketed, device),
+    }
+    out = Path(args.out)
+    save_json(out, "shapes.json", report)
+    exact, rounded = report["exact"], report["bucketed"]
+    append_results(
+        f"| shapes | {report['hardware']} | {args.shape}, {dtype} (a layer's q/k/v + bias, o, gate/up, down) | "
+        f"{len(counts)} token counts in {args.low}-{args.high}: {exact['first_ms']:.3f} ms a layer the first time, "
+        f"{exact['again_ms']:.3f} ms again (medians {exact['first_median_ms']:.3f} / {exact['again_median_ms']:.3f});"
+        f" rounded up to {args.bucket} ({report['distinct_buckets']} counts): {rounded['first_ms']:.3f} / "
+        f"{rounded['again_ms']:.3f} ms | `python -m bench shapes {' '.join(sys.argv[1:] if argv is None else argv)}` |",
+        out,
+    )
+    print("shapes", report, flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()
