@@ -282,13 +282,13 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     return torch.cuda.device(device)
 
 
-def raw_stream() -> int:
-    """The current CUDA device's current stream, as the handle a compiled launcher takes: torch's C accessor (what
-    Inductor's generated code calls) where this build has it; `torch.cuda.current_stream()` checks its argument
-    in Python, ~30 us of host time a launch on the H200 machine."""
+def raw_stream(index: int | None = None) -> int:
+    """A CUDA device's current stream (default: the current device's), as the handle a compiled launcher takes:
+    torch's C accessor (what Inductor's generated code calls) where this build has it;
+    `torch.cuda.current_stream()` checks its argument in Python, ~30 us of host time a launch on the H200 machine."""
     if _RAW_STREAM is not None:
-        return int(_RAW_STREAM(torch.cuda.current_device()))
-    return int(torch.cuda.current_stream().cuda_stream)
+        return int(_RAW_STREAM(torch.cuda.current_device() if index is None else index))
+    return int((torch.cuda.current_stream() if index is None else torch.cuda.current_stream(index)).cuda_stream)
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)

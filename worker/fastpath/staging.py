@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from worker.fastpath.pointwise import on_device, raw_stream
 from worker.memory import MIB
 
 RING_BYTES = 32 * MIB
@@ -72,12 +73,8 @@ class PinnedRing:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def _stream(self) -> object:
-        """The device's current stream, as its raw handle: torch's C accessor where this build has it
-        (`torch.cuda.current_stream` checks its argument in Python, ~30 us of host time on the H200 machine)."""
-        index = torch.cuda.current_device() if self.device.index is None else self.device.index
-        if _RAW_STREAM is not None:
-            return int(_RAW_STREAM(index))
-        return int(torch.cuda.current_stream(index).cuda_stream)
+        """The device's current stream, as its raw handle (cheap to read on every send)."""
+        return raw_stream(self.device.index)
 
     def _record(self) -> torch.cuda.Event:
         """An event after the copies queued from the region being left, on the stream they went on."""
@@ -89,15 +86,11 @@ class PinnedRing:
         return event
 
     def _capturing(self) -> bool:
-        """Whether this device's current stream is capturing (a device context only where it is not current:
-        building one costs ~10 us of host time)."""
-        if self.device.index is None or self.device.index == torch.cuda.current_device():
-            return torch.cuda.is_current_stream_capturing()
-        with torch.cuda.device(self.device):
+        """Whether this device's current stream is capturing."""
+        with on_device(self.device):
             return torch.cuda.is_current_stream_capturing()
 
 
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _RINGS: dict[torch.device, PinnedRing] = {}
 
 
