@@ -266,14 +266,14 @@ class BatchWorker:
         or longer. A look at one job, not a promise: the engine packs whatever the take holds into sub-batches
         that fit."""
         raw = self.bridge.head(ref)
-        if raw is None or raw.problem is not None or raw.payload is None:
+        if raw is None or raw.problem is not None:
+            return capacity
+        # The settler's own checks, without a log line per look: a job that cannot run fails in its take.
+        job = self.settler.decode(Row(ref.model, raw, lane=ref.lane)).job
+        if job is None:
             return capacity
         try:
-            job = Job.from_dict(raw.payload, allow_system=True)
-        except Exception:  # any bytes can be in Redis: the take refuses this job when it comes
-            return capacity
-        try:
-            if job.model != ref.model or not self.engine.expect(job):
+            if not self.engine.expect(job):
                 return capacity
             return self.engine.capacity(ref.model)
         except Exception:  # a hostile front job must not end the loop: it fails in its own take

@@ -93,7 +93,7 @@ class Settler:
 
     # ---- before the engine --------------------------------------------------------------------
     def triage(self, taken: Sequence[Row]) -> Triage:
-        decoded = [self._decode(row) for row in taken]
+        decoded = [self.decode(row) for row in taken]
         jobs = [row for row in decoded if row.job is not None and row.result is None]
         self._reopen_requeued(jobs)
         done = self._already_done(jobs)
@@ -116,8 +116,9 @@ class Settler:
         self._mark_running(runnable)
         return Triage(settled, runnable, flags)
 
-    def _decode(self, row: Row) -> Row:
-        """The row with its job, or with an error result for a job that cannot run (hostile, malformed)."""
+    def decode(self, row: Row) -> Row:
+        """The row with its job, or with an error result for a job that cannot run (hostile, malformed, or on
+        another model's queue). Logs a refusal only for a payload the bridge could not read (`RawJob.problem`)."""
         raw = row.raw
         payload = raw.payload or {}
         if raw.problem is not None:
