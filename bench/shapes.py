@@ -1,16 +1,16 @@
 """A layer's matmuls at token counts the math library has not seen, against the same token counts again.
 
     python -m bench shapes --device cuda --out $OUT/sh                    # the Qwen2.5-1.5B shape's matmuls
-    python -m bench shapes --device cpu --shape tiny --counts 4 --high 64  # a smoke run
+    python -m bench shapes --device cpu --shape tiny --counts 4 --high 64 --block 16  # a smoke run
 
-Prefill runs each chunk's matmuls at M = rows x span tokens, a count a live stream seldom repeats. The first call
-at a new M may cost the library a choice of kernel (and a GPU the load of a kernel it has not run yet): a
-workload's first takes ran 0.06-0.14 s slower than the same takes again in one process on the H200, with the
-same allocator segments and clocks (bench/RESULTS.md). This measures it alone: a layer's four matmuls (joint
-q/k/v with its bias, output projection, joint gate/up, down) at `--counts` token counts drawn between `--low`
-and `--high`, each the first time and then again (wall time, the device synchronised around each call), and at
-the same counts rounded up to a multiple of `--bucket` (what rounding chunk sizes would repeat, at the price of
-the bucket's extra rows). One row in bench/RESULTS.md.
+Prefill runs each chunk's matmuls at M = rows x span tokens, a count a live stream seldom repeats, and the first
+call at a new M costs the library a choice of kernel: on the H200 4.4 ms for a layer's four matmuls the first
+time at a new count between 4096 and 8192, 0.82 ms again (bench/RESULTS.md). This measures it alone: a layer's
+four matmuls (joint q/k/v with its bias, output projection, joint gate/up, down) at `--counts` token counts
+drawn between `--low` and `--high`, each the first time and then again (wall time, the device synchronised
+around each call), once as one matmul per count and once as the worker runs them (`worker/fastpath/gemm.py`:
+the rows in blocks of `--block`, so the counts the library meets are the block's multiples). One row in
+bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -25,16 +25,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from bench.common import append_results, hardware, save_json, sync
+from worker.fastpath.gemm import ROW_BLOCK, blocked_linear
 from worker.tools.tinymodel import SHAPES, TinyShape
 
 Matmuls = Callable[[int], None]
 
 
-def layer_matmuls(shape: TinyShape, device: str, dtype: torch.dtype, high: int) -> Matmuls:
-    """A function running one layer's four prefill matmuls at a token count (at most `high`)."""
+def layer_matmuls(shape: TinyShape, device: str, dtype: torch.dtype, high: int, block: int | None) -> Matmuls:
+    """A function running one layer's four prefill matmuls at a token count (at most `high`), in row blocks of
+    `block` as the worker runs them (None: one matmul each)."""
     head_dim = shape.hidden // shape.heads
     qkv = (shape.heads + 2 * shape.kv_heads) * head_dim
 
@@ -48,10 +49,10 @@ def layer_matmuls(shape: TinyShape, device: str, dtype: torch.dtype, high: int) 
     act = torch.randn(high, shape.intermediate, device=device, dtype=dtype)
 
     def run(tokens: int) -> None:
-        F.linear(x[:tokens], w_qkv, b_qkv)
-        F.linear(x[:tokens], w_o)
-        F.linear(x[:tokens], w_gate_up)
-        F.linear(act[:tokens], w_down)
+        blocked_linear(x[:tokens], w_qkv, b_qkv, block)
+        blocked_linear(x[:tokens], w_o, None, block)
+        blocked_linear(x[:tokens], w_gate_up, None, block)
+        blocked_linear(act[:tokens], w_down, None, block)
 
     return run
 
@@ -83,41 +84,50 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--counts", type=int, default=24, help="token counts drawn (distinct)")
     parser.add_argument("--low", type=int, default=4096, help="the fewest tokens drawn")
     parser.add_argument("--high", type=int, default=8192, help="the most tokens drawn (a prefill chunk's most)")
-    parser.add_argument("--bucket", type=int, default=512, help="the rounding the bucketed pass shows")
+    parser.add_argument("--block", type=int, default=ROW_BLOCK, help="the worker's row block (gemm.ROW_BLOCK)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
-    if not 1 <= args.low <= args.high or args.counts > args.high - args.low + 1 or args.bucket < 1:
-        parser.error("need 1 <= --low <= --high, --counts at most the counts between them, and --bucket >= 1")
+    if not 1 <= args.low <= args.high or args.counts > args.high - args.low + 1 or args.block < 1:
+        parser.error("need 1 <= --low <= --high, --counts at most the counts between them, and --block >= 1")
     device = args.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     shape = SHAPES[args.shape]
-    warm = -(-args.high // args.bucket) * args.bucket + 1  # past every count the passes use
-    run = layer_matmuls(shape, device, dtype, warm)
-    run(warm)  # the library loaded and set up once, at a count none of the passes uses
-    run(warm)
-    counts = random.Random(args.seed).sample(range(args.low, args.high + 1), args.counts)
-    bucketed = [-(-m // args.bucket) * args.bucket for m in counts]
+    warm = args.high + args.block + 1  # past every count the passes use
+    whole = layer_matmuls(shape, device, dtype, warm, None)
+    blocked = layer_matmuls(shape, device, dtype, warm, args.block)
+    whole(warm)  # the library loaded and set up once, at a count none of the passes uses
+    whole(warm)
+    rng = random.Random(args.seed)
+    counts = rng.sample(range(args.low, args.high + 1), args.counts)
+    # Counts of their own for the blocked pass (its first time is the first at these counts too), in the same range.
+    pool = sorted(set(range(args.low, args.high + 1)) - set(counts))
+    others = rng.sample(pool, min(len(pool), args.counts)) or counts
+    split = [m for m in others if m > args.block and m % args.block]
+    shapes = {m for m in others if m not in split} | {m - m % args.block for m in split}
+    shapes |= {args.block} if split else set()
     report = {
         "hardware": hardware(device, None),
         "shape": args.shape,
         "counts": len(counts),
         "low": args.low,
         "high": args.high,
-        "bucket": args.bucket,
-        "distinct_buckets": len(set(bucketed)),
-        "exact": passes(run, counts, device),
-        "bucketed": passes(run, bucketed, device),
+        "block": args.block,
+        "blocked_shapes": len(shapes),
+        "exact": passes(whole, counts, device),
+        "blocked": passes(blocked, others, device),
     }
     out = Path(args.out)
     save_json(out, "shapes.json", report)
-    exact, rounded = report["exact"], report["bucketed"]
+    exact, rows = report["exact"], report["blocked"]
     append_results(
         f"| shapes | {report['hardware']} | {args.shape}, {dtype} (a layer's q/k/v + bias, o, gate/up, down) | "
-        f"{len(counts)} token counts in {args.low}-{args.high}: {exact['first_ms']:.3f} ms a layer the first time, "
-        f"{exact['again_ms']:.3f} ms again (medians {exact['first_median_ms']:.3f} / {exact['again_median_ms']:.3f});"
-        f" rounded up to {args.bucket} ({report['distinct_buckets']} counts): {rounded['first_ms']:.3f} / "
-        f"{rounded['again_ms']:.3f} ms | `python -m bench shapes {' '.join(sys.argv[1:] if argv is None else argv)}` |",
+        f"{len(counts)} token counts in {args.low}-{args.high}, one matmul each: {exact['first_ms']:.3f} ms a layer "
+        f"the first time, {exact['again_ms']:.3f} ms again (medians {exact['first_median_ms']:.3f} / "
+        f"{exact['again_median_ms']:.3f}); {len(others)} others in blocks of {args.block} rows "
+        f"({report['blocked_shapes']} matmul shapes): {rows['first_ms']:.3f} / {rows['again_ms']:.3f} ms (medians "
+        f"{rows['first_median_ms']:.3f} / {rows['again_median_ms']:.3f}) | "
+        f"`python -m bench shapes {' '.join(sys.argv[1:] if argv is None else argv)}` |",
         out,
     )
     print("shapes", report, flush=True)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tests.conftest import tiny_config
 from worker.config import load_config
 from worker.engine import Engine
-from worker.fastpath import DecodeRow, StaticDecoder
+from worker.fastpath import DecodeRow, StaticDecoder, gemm
 from worker.fastpath import weights as weights_module
 from worker.fastpath.graphs import KV
 from worker.fastpath.ops import causal_attention, repeat_kv
@@ -232,6 +232,37 @@ def test_same_cache_and_logits_as_chunk_major(decoder: StaticDecoder, merge_lora
     assert_same_cache(kv_new, kv_old)
     assert torch.equal(new, old)
     assert decoder.own_prefill
+
+
+@pytest.mark.parametrize("merge_lora", [True, False])
+def test_matmuls_in_row_blocks_give_the_same_cache_and_logits(
+    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch, merge_lora: bool
+) -> None:
+    """Prefill with every matmul in blocks of 8 rows (`gemm`, a GPU's 256 scaled to the tiny chunks) against the
+    chunk-major reference: the blocks change which rows a matmul computes together, not the values."""
+    if not _tensors(decoder.stack.layers[0].dense()):
+        pytest.skip("this loop's matmuls run inside bitsandbytes on the CPU, not through `gemm`")
+    blocked: list[int] = []
+    real = gemm._matmul_into
+
+    def spy(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        blocked.append(x.shape[0])
+        real(out, x, weight, bias)
+
+    monkeypatch.setattr(gemm, "block_of", lambda x: 8)
+    monkeypatch.setattr(gemm, "_matmul_into", spy)
+    decoder.prefill.merge_lora = merge_lora
+    try:
+        kv_new, new, kv_old, old = prefill_both(decoder, decode_rows())
+    finally:
+        decoder.prefill.merge_lora = True
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if decoder.stack.dtype == torch.bfloat16 else {}
+    for (ka, va), (kb, vb) in zip(kv_new, kv_old, strict=True):
+        torch.testing.assert_close(ka, kb, **tolerance)
+        torch.testing.assert_close(va, vb, **tolerance)
+    torch.testing.assert_close(new, old, **tolerance)
+    assert torch.equal(new.argmax(-1), old.argmax(-1))
+    assert blocked and all(m % 8 == 0 for m in blocked)
 
 
 def test_the_last_layer_runs_its_projection_and_mlp_only_at_the_last_prompt_positions(

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.fastpath import nf4, pointwise
+from worker.fastpath.gemm import add_matmul_, linear
 from worker.fastpath.ops import DEFAULT_OPS, Ops, OpsOptions, norm_of
 from worker.fastpath.quant4 import Layout4bit, float_absmax
 
@@ -134,7 +135,7 @@ class Proj:
     def base_out(self, x: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
         if dense is not None:
             bias = self.base.bias
-            return F.linear(x.to(dense.dtype), dense, None if bias is None else bias.to(dense.dtype)).to(x.dtype)
+            return linear(x.to(dense.dtype), dense, None if bias is None else bias.to(dense.dtype)).to(x.dtype)
         if (layout := self._layout()) is not None:
             bias = None if self.base.bias is None else self.base.bias.to(layout.dtype)
             return layout.matmul(x, self.base.weight.view(-1, 1), bias)
@@ -242,12 +243,12 @@ def fused_delta(
     """result + mask * (x A^T) B^T in two kernels (`linear`, then `addmm` adding into the result). `result` is
     a projection's fresh output, nobody else's: where contiguous it takes the delta in place -- out of place,
     `addmm` first copies it whole (a prefill chunk's gate/up output is ~147 MiB, held twice at the peak)."""
-    low = F.linear(x, a)
+    low = linear(x, a)
     if mask is not None:
         low = low * mask
     low = low.reshape(-1, low.shape[-1])
     if result.is_contiguous():
-        result.view(-1, result.shape[-1]).addmm_(low, b.t())
+        add_matmul_(result.view(-1, result.shape[-1]), low, b.t())
         return result
     return torch.addmm(result.reshape(-1, result.shape[-1]), low, b.t()).view(result.shape)
 
@@ -364,7 +365,7 @@ class JointBase:
         if dense is None and self.quant is not None:
             return self.quant.matmul(x, self.weight, self.bias)
         weight = self.weight if dense is None else dense
-        return F.linear(x.to(weight.dtype), weight, self.bias).to(x.dtype)
+        return linear(x.to(weight.dtype), weight, self.bias).to(x.dtype)
 
 
 @torch.no_grad()

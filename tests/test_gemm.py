@@ -1,0 +1,68 @@
+"""Matmuls in row blocks (worker/fastpath/gemm.py): the same values as one matmul, at row counts drawn from the
+block's multiples only. Run on the CPU with the block given (on a GPU `linear` picks it)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.fastpath import gemm
+
+BLOCK = 8
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 16, 17, 23, 40, 41])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_blocked_linear_matches_one_matmul(rows: int, with_bias: bool) -> None:
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 12, dtype=torch.float64), torch.randn(5, 12, dtype=torch.float64)
+    bias = torch.randn(5, dtype=torch.float64) if with_bias else None
+    out = gemm.blocked_linear(x, w, bias, BLOCK)
+    assert out.shape == (rows, 5)
+    torch.testing.assert_close(out, F.linear(x, w, bias))
+
+
+def test_blocked_linear_keeps_leading_dims_and_reads_strided_inputs() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 11, 6, dtype=torch.float64).transpose(0, 1)  # (11, 4, 6): 44 rows, not contiguous
+    w = torch.randn(3, 6, dtype=torch.float64)
+    out = gemm.blocked_linear(x, w, None, BLOCK)
+    assert out.shape == (11, 4, 3)
+    torch.testing.assert_close(out, F.linear(x, w))
+
+
+def test_row_counts_come_from_the_blocks_multiples(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: set[int] = set()
+    real = gemm._matmul_into
+
+    def spy(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        seen.add(x.shape[0])
+        real(out, x, weight, bias)
+
+    monkeypatch.setattr(gemm, "_matmul_into", spy)
+    w = torch.randn(4, 3)
+    counts = random.Random(0).sample(range(BLOCK + 1, 20 * BLOCK), 60)
+    for rows in counts:
+        gemm.blocked_linear(torch.randn(rows, 3), w, None, BLOCK)
+    assert seen and all(m % BLOCK == 0 for m in seen)
+    assert len(seen) <= 20  # 60 distinct counts, at most one shape per multiple of the block
+
+
+@pytest.mark.parametrize("rows", [3, 8, 13, 16, 29])
+def test_blocked_add_matmul_adds_each_row_once(rows: int) -> None:
+    torch.manual_seed(rows)
+    result = torch.randn(rows, 7, dtype=torch.float64)
+    low, b = torch.randn(rows, 2, dtype=torch.float64), torch.randn(2, 7, dtype=torch.float64)
+    expected = result + low @ b
+    out = gemm.blocked_add_matmul_(result, low, b, BLOCK)
+    assert out is result
+    torch.testing.assert_close(result, expected)
+
+
+def test_no_blocks_on_the_cpu() -> None:
+    assert gemm.block_of(torch.zeros(1)) is None
+    x, w = torch.randn(300, 4), torch.randn(2, 4)
+    torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w))

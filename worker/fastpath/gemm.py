@@ -1,0 +1,78 @@
+"""Prefill's matmuls at row counts the math library has already seen.
+
+A prefill chunk's matmuls run at M = rows x span tokens, a count a live stream seldom repeats, and on the H200
+cuBLAS pays ~1-2.5 ms the first time it meets a matmul at a new M (`python -m bench shapes`: a layer's four
+matmuls cost 4.4 ms the first time at a new M between 4096 and 8192 tokens, 0.82 ms again). Every new chunk size
+paid that once per projection shape, 0.06-0.14 s of a workload's first takes. Here a matmul of M rows, M past a
+block and not a multiple of it, runs as two: its first rows up to the last multiple of the block, then the block
+of rows ending at its last row (overlapping the first part; those rows are written twice with the same values).
+Both have a count drawn from the multiples of the block, so a worker meets at most (most rows / block) + 1 shapes
+per projection, whatever its prompts. The cost is one launch and at most a block of rows more per matmul: cuBLAS
+computes its rows in tiles of 64-256 anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Rows per block: a multiple of cuBLAS's row tiles, small beside a prefill chunk (4096-8192 tokens).
+ROW_BLOCK = 256
+# Matmuls of fewer rows run whole: a decode step's (at most 512 rows, each shape met once when its graph is
+# captured) and the few small chunks.
+FROM_ROWS = 1024
+
+
+def block_of(x: torch.Tensor) -> int | None:
+    """The row block a matmul of `x` (its rows: all but the last dimension) runs in: `ROW_BLOCK` on a GPU from
+    `FROM_ROWS` rows, else None (whole; the CPU's libraries choose per call at no such cost)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return ROW_BLOCK if x.is_cuda and rows >= FROM_ROWS else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, its rows in blocks on a GPU (`blocked_linear`)."""
+    return blocked_linear(x, weight, bias, block_of(x))
+
+
+def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block: int | None) -> torch.Tensor:
+    """x W^T (+ bias) over x's last dimension, as (M rows) one matmul where M is at most `block` or a multiple of
+    it (or `block` is None), else as the rows up to the last multiple of `block` and the `block` rows ending at
+    the last one, written into one output."""
+    features = x.shape[-1]
+    rows = x.numel() // max(1, features)
+    if block is None or rows <= block or rows % block == 0:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, features)
+    out = flat.new_empty(rows, weight.shape[0])
+    body = rows - rows % block
+    _matmul_into(out[:body], flat[:body], weight, bias)
+    _matmul_into(out[rows - block :], flat[rows - block :], weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _matmul_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if bias is None:
+        torch.mm(x, weight.t(), out=out)
+    else:
+        torch.addmm(bias, x, weight.t(), out=out)
+
+
+def add_matmul_(result: torch.Tensor, low: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`result += low @ b` in place, `result` (M, N) contiguous rows, `low` (M, R), `b` (R, N): in blocks of rows
+    on a GPU as `blocked_linear` runs its matmuls -- the rows past the last multiple of the block take their sum
+    from the block of rows ending at the last one (made apart, then added: adding in place twice would count the
+    overlap twice)."""
+    return blocked_add_matmul_(result, low, b, block_of(result))
+
+
+def blocked_add_matmul_(result: torch.Tensor, low: torch.Tensor, b: torch.Tensor, block: int | None) -> torch.Tensor:
+    """`add_matmul_` with the row block given (None: one `addmm_`)."""
+    rows = result.shape[0]
+    if block is None or rows <= block or rows % block == 0:
+        return result.addmm_(low, b)
+    body = rows - rows % block
+    result[:body].addmm_(low[:body], b)
+    last = torch.mm(low[rows - block :], b)
+    result[body:].add_(last[block - (rows - body) :])
+    return result
