@@ -3,6 +3,7 @@ block's multiples only. Run on the CPU with the block given (on a GPU `linear` p
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -66,3 +67,10 @@ def test_no_blocks_on_the_cpu() -> None:
     assert gemm.block_of(torch.zeros(1)) is None
     x, w = torch.randn(300, 4), torch.randn(2, 4)
     torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w))
+
+
+def test_the_counts_to_warm_are_the_block_and_its_multiples_from_where_blocks_start() -> None:
+    counts = gemm.row_counts(8192, torch.device("cuda"))
+    assert counts[0] == gemm.ROW_BLOCK and counts[1] == gemm.FROM_ROWS and counts[-1] == 8192
+    assert all(b - a == gemm.ROW_BLOCK for a, b in itertools.pairwise(counts[1:]))
+    assert gemm.row_counts(8192, torch.device("cpu")) == []

@@ -265,6 +265,25 @@ def test_matmuls_in_row_blocks_give_the_same_cache_and_logits(
     assert blocked and all(m % 8 == 0 for m in blocked)
 
 
+def test_the_warm_up_runs_a_layers_four_matmuls_at_each_row_count(
+    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not _tensors(decoder.stack.layers[0].dense()):
+        pytest.skip("this loop's matmuls run inside bitsandbytes on the CPU, not through `gemm`")
+    seen: list[int] = []
+    real = gemm.block_of
+
+    def spy(x: torch.Tensor) -> int | None:
+        seen.append(x.numel() // x.shape[-1])
+        return real(x)
+
+    monkeypatch.setattr(gemm, "row_counts", lambda most, device: [5, 9])
+    monkeypatch.setattr(gemm, "block_of", spy)
+    with torch.inference_mode():
+        assert decoder.prefill.warm_row_counts() == 2
+    assert sorted(seen) == [5] * 4 + [9] * 4
+
+
 def test_the_last_layer_runs_its_projection_and_mlp_only_at_the_last_prompt_positions(
     decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -121,7 +121,8 @@ def warm_up(
     """One tiny batch per model (and per mixed pair) through each static loop, then its graphs and cache
     dropped. A GPU's first use of a kernel loads it, and cuBLAS/bitsandbytes set up on their first call:
     on the H200 that made the first real batch's setup 1.6 s instead of ~0.2 s. Paid here, at start,
-    not by the first jobs. `rows_for(models)` is the largest take of those models (a row bucket)."""
+    not by the first jobs; so is cuBLAS's choice at each row count prefill's matmuls run at
+    (`Prefill.warm_row_counts`). `rows_for(models)` is the largest take of those models (a row bucket)."""
     started = time.perf_counter()
     for base_name, decoder in decoders.items():
         base = bases[base_name]
@@ -150,6 +151,7 @@ def warm_up(
                 choices = ((token, token), (token, token, token))
                 scored = [ScoreRow(ids=[token] * 29, choices=choices, adapter=names[0]) for _ in range(3)]
                 decoder.score(scored, pad_id=pad_id)
+        decoder.prefill.warm_row_counts()
         decoder.release()
         decoder.phase_s.clear()
     if device.type == "cuda":

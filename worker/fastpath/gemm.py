@@ -30,6 +30,14 @@ def block_of(x: torch.Tensor) -> int | None:
     return ROW_BLOCK if x.is_cuda and rows >= FROM_ROWS else None
 
 
+def row_counts(most_rows: int, device: torch.device) -> list[int]:
+    """Every row count `linear` runs a matmul of up to `most_rows` rows at, past the rows it runs whole: the
+    block, then its multiples from `FROM_ROWS` (none off a GPU)."""
+    if device.type != "cuda":
+        return []
+    return [ROW_BLOCK, *range(-(-FROM_ROWS // ROW_BLOCK) * ROW_BLOCK, most_rows + 1, ROW_BLOCK)]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, its rows in blocks on a GPU (`blocked_linear`)."""
     return blocked_linear(x, weight, bias, block_of(x))
