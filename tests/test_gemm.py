@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -63,14 +64,19 @@ def test_blocked_add_matmul_adds_each_row_once(rows: int) -> None:
     torch.testing.assert_close(result, expected)
 
 
-def test_no_blocks_on_the_cpu() -> None:
-    assert gemm.block_of(torch.zeros(1)) is None
-    x, w = torch.randn(300, 4), torch.randn(2, 4)
-    torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w))
+def test_blocks_only_inside_row_blocks_and_never_on_the_cpu() -> None:
+    x, on_gpu = torch.zeros(300, 4), SimpleNamespace(is_cuda=True)
+    assert gemm.block_of(x) is None and gemm.block_of(on_gpu) is None  # outside prefill: whole
+    with gemm.row_blocks():
+        assert gemm.block_of(x) is None  # the CPU: whole
+        assert gemm.block_of(on_gpu) == gemm.ROW_BLOCK
+    assert gemm.block_of(on_gpu) is None
+    w = torch.randn(2, 4)
+    torch.testing.assert_close(gemm.linear(torch.ones(300, 4), w), F.linear(torch.ones(300, 4), w))
 
 
-def test_the_counts_to_warm_are_the_block_and_its_multiples_from_where_blocks_start() -> None:
+def test_the_counts_to_warm_are_the_blocks_multiples() -> None:
     counts = gemm.row_counts(8192, torch.device("cuda"))
-    assert counts[0] == gemm.ROW_BLOCK and counts[1] == gemm.FROM_ROWS and counts[-1] == 8192
-    assert all(b - a == gemm.ROW_BLOCK for a, b in itertools.pairwise(counts[1:]))
+    assert counts[0] == gemm.ROW_BLOCK and counts[-1] == 8192
+    assert all(b - a == gemm.ROW_BLOCK for a, b in itertools.pairwise(counts))
     assert gemm.row_counts(8192, torch.device("cpu")) == []

@@ -3,39 +3,53 @@
 A prefill chunk's matmuls run at M = rows x span tokens, a count a live stream seldom repeats, and on the H200
 cuBLAS pays ~1-2.5 ms the first time it meets a matmul at a new M (`python -m bench shapes`: a layer's four
 matmuls cost 4.4 ms the first time at a new M between 4096 and 8192 tokens, 0.82 ms again). Every new chunk size
-paid that once per projection shape, 0.06-0.14 s of a workload's first takes. Here a matmul of M rows, M past a
-block and not a multiple of it, runs as two: its first rows up to the last multiple of the block, then the block
-of rows ending at its last row (overlapping the first part; those rows are written twice with the same values).
-Both have a count drawn from the multiples of the block, so a worker meets at most (most rows / block) + 1 shapes
-per projection, whatever its prompts. The cost is one launch and at most a block of rows more per matmul: cuBLAS
-computes its rows in tiles of 64-256 anyway.
+paid that once per projection shape, 0.06-0.14 s of a workload's first takes. Here a prefill matmul of M rows,
+M past a block and not a multiple of it, runs as two: its first rows up to the last multiple of the block, then
+the block of rows ending at its last row (overlapping the first part; those rows are written twice with the same
+values). Both have a count drawn from the multiples of the block, so a worker meets at most (most rows / block)
+shapes per projection, whatever its prompts, and the warm-up meets them first (`row_counts`). The cost is one
+launch and at most a block of rows more per matmul: cuBLAS computes its rows in tiles of 64-256 anyway.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 
 # Rows per block: a multiple of cuBLAS's row tiles, small beside a prefill chunk (4096-8192 tokens).
 ROW_BLOCK = 256
-# Matmuls of fewer rows run whole: a decode step's (at most 512 rows, each shape met once when its graph is
-# captured) and the few small chunks.
-FROM_ROWS = 1024
+
+# Whether matmuls run in row blocks here: inside prefill (`row_blocks`). A decode step's matmuls meet their few
+# row counts once, when its graph is captured.
+_blocks: ContextVar[bool] = ContextVar("row_blocks", default=False)
+
+
+@contextlib.contextmanager
+def row_blocks() -> Iterator[None]:
+    """Matmuls inside run in row blocks on a GPU (`linear`, `add_matmul_`)."""
+    token = _blocks.set(True)
+    try:
+        yield
+    finally:
+        _blocks.reset(token)
 
 
 def block_of(x: torch.Tensor) -> int | None:
-    """The row block a matmul of `x` (its rows: all but the last dimension) runs in: `ROW_BLOCK` on a GPU from
-    `FROM_ROWS` rows, else None (whole; the CPU's libraries choose per call at no such cost)."""
-    rows = x.numel() // max(1, x.shape[-1])
-    return ROW_BLOCK if x.is_cuda and rows >= FROM_ROWS else None
+    """The row block a matmul of `x` runs in: `ROW_BLOCK` on a GPU inside `row_blocks`, else None (whole; the
+    CPU's libraries choose per call at no such cost)."""
+    return ROW_BLOCK if x.is_cuda and _blocks.get() else None
 
 
 def row_counts(most_rows: int, device: torch.device) -> list[int]:
-    """Every row count `linear` runs a matmul of up to `most_rows` rows at, past the rows it runs whole: the
-    block, then its multiples from `FROM_ROWS` (none off a GPU)."""
+    """Every row count above a block that `linear` runs matmuls of up to `most_rows` rows at: the block's
+    multiples (none off a GPU)."""
     if device.type != "cuda":
         return []
-    return [ROW_BLOCK, *range(-(-FROM_ROWS // ROW_BLOCK) * ROW_BLOCK, most_rows + 1, ROW_BLOCK)]
+    return list(range(ROW_BLOCK, most_rows + 1, ROW_BLOCK))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

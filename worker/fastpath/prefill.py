@@ -374,12 +374,13 @@ class Prefill:
         layer = s.layers[0]
         dense = layer.dense()
         hidden, inner = s.embed.weight.shape[1], s.heads * s.head_dim
-        for rows in counts:
-            x = torch.zeros(1, rows, hidden, dtype=s.dtype, device=s.device)
-            layer.qkv(x, [], dense[0])
-            layer.o(x.new_zeros(1, rows, inner), [], dense[1])
-            (gate, _), _ = layer.gate_up(x, [], dense[2])
-            layer.down(gate.contiguous(), [], dense[3])  # the MLP's inner width, laid out as its activations
+        with gemm.row_blocks():
+            for rows in counts:
+                x = torch.zeros(1, rows, hidden, dtype=s.dtype, device=s.device)
+                layer.qkv(x, [], dense[0])
+                layer.o(x.new_zeros(1, rows, inner), [], dense[1])
+                (gate, _), _ = layer.gate_up(x, [], dense[2])
+                layer.down(gate.contiguous(), [], dense[3])  # the MLP's inner width, laid out as its activations
         return len(counts)
 
     def chunk_rows(
@@ -491,8 +492,9 @@ class Prefill:
         prompts = Prompts.of([r.ids for r in rows])
         self.held_bytes = 0
         self.last_tokens = self.tokens if tokens is None else tokens
-        for group in self.layer_groups(rows, tokens, None if tails is None else tails.row_tokens):
-            self._group(kv, prompts, rows, group, width, pad_id, logits, tails)
+        with gemm.row_blocks():
+            for group in self.layer_groups(rows, tokens, None if tails is None else tails.row_tokens):
+                self._group(kv, prompts, rows, group, width, pad_id, logits, tails)
 
     def _group(
         self,
