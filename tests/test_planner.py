@@ -10,7 +10,6 @@ import torch
 
 from shared.job import Job
 from tests.conftest import tiny_config
-from worker import planner
 from worker.engine import Engine
 from worker.memory import MIB, RESERVE_BYTES
 
@@ -299,20 +298,3 @@ def test_each_take_has_its_own_peak_and_the_engine_and_a_marked_window_keep_the_
         assert take.headroom_bytes == (6 * 1024 - 512 - peak_mib) * MIB
     assert budget.peak_since_mark() == 700 * MIB
     assert budget.peak_bytes() == 900 * MIB
-
-
-def _segment(device: int, total: int, active: int, pool: tuple[int, int] = (0, 0)) -> dict[str, object]:
-    return {"device": device, "total_size": total, "active_size": active, "segment_pool_id": pool}
-
-
-def test_releasable_bytes_are_the_default_pools_segments_with_nothing_active_on_that_device() -> None:
-    segments = [
-        _segment(0, 20 * MIB, 0),  # cached, free: handed back by empty_cache
-        _segment(0, 2 * MIB, 0),
-        _segment(0, 40 * MIB, 1 * MIB),  # a tensor still in it: kept whole
-        _segment(0, 8 * MIB, 0, pool=(1, 3)),  # a captured graph's pool: kept while the graph lives
-        _segment(1, 64 * MIB, 0),  # another device
-    ]
-    assert planner.releasable_bytes(segments, torch.device("cuda", 0)) == 22 * MIB
-    assert planner.releasable_bytes(segments, torch.device("cuda", 1)) == 64 * MIB
-    assert planner.releasable_bytes([], torch.device("cuda", 0)) == 0

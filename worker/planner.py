@@ -101,24 +101,12 @@ def set_allocator_cap(device: torch.device, cap_bytes: int) -> None:
 
 
 def held_bytes(device: torch.device) -> int:
-    """What the allocator holds that no new allocation can use: every segment still in use, what handing the
-    cached free ones back would leave -- weights, the KV pool, and the captured graphs' shared pool (the decode
-    graphs capture into one pool, since only one replays at a time: it holds about the largest step's
-    activations, not one set per graph, and `MAX_GRAPHS` bounds the graphs' own buffers). Read from the
-    allocator's segments rather than by emptying its cache: emptied before every take, the cache made each take
-    open its ~27 segments again (a device synchronisation, then a free and a malloc a segment)."""
-    return int(torch.cuda.memory_reserved(device)) - releasable_bytes(torch.cuda.memory_snapshot(), device)
-
-
-def releasable_bytes(segments: list[dict[str, Any]], device: torch.device) -> int:
-    """The bytes `torch.cuda.empty_cache` would hand back on `device`: its default pool's segments with nothing
-    active in them (a captured graph's private pool keeps its segments while the graph lives)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return sum(
-        int(s["total_size"])
-        for s in segments
-        if s["device"] == index and s["active_size"] == 0 and tuple(s["segment_pool_id"]) == (0, 0)
-    )
+    """What the allocator holds that no new allocation can use: every segment still in use after the cached
+    free ones are handed back -- weights, the KV pool, and the captured graphs' shared pool (the decode graphs
+    capture into one pool, since only one replays at a time: it holds about the largest step's activations,
+    not one set per graph, and `MAX_GRAPHS` bounds the graphs' own buffers)."""
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_reserved(device))
 
 
 class MemoryBudget:
