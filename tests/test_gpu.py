@@ -203,6 +203,23 @@ def test_prefill_with_our_norm_kernel_decodes_as_without_it(tiny_models: Path) -
         torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0.05)
 
 
+def test_prefill_in_row_blocks_decodes_as_in_whole_matmuls(tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill's matmuls in row blocks (`gemm`: here of 8 rows, so the tiny chunks split; 256 in the worker)
+    against whole matmuls, in bfloat16 with graphs replayed: the same tokens, log-probabilities within bfloat16
+    rounding (a block's rows may run in another kernel than the whole matmul's)."""
+    from worker.fastpath import gemm
+
+    engine = bf16_engine(tiny_models, "models-bf16-blocks.toml")
+    (base,), (decoder,) = engine.bases.values(), engine.decoders.values()
+    for adapters, rows, kw in bf16_batches(base):
+        monkeypatch.setattr(gemm, "ROW_BLOCK", 1 << 30)  # every matmul whole
+        want = decoder.decode(rows, **kw)
+        monkeypatch.setattr(gemm, "ROW_BLOCK", 8)
+        got = decoder.decode(rows, **kw)
+        assert torch.equal(got.tokens, want.tokens), adapters
+        torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0.05)
+
+
 def test_choice_scores_in_bfloat16_match_a_plain_log_likelihood(tiny_models: Path) -> None:
     """On the GPU, choices run beside their prompts inside the prefill with our kernels, one adapter's LoRA
     merged into the weights (Kev alone) or each adapter's masked per row (Kev and Laya mixed), in chunks small
