@@ -1,16 +1,16 @@
 """A layer's matmuls at token counts the math library has not seen, against the same token counts again.
 
     python -m bench shapes --device cuda --out $OUT/sh                    # the Qwen2.5-1.5B shape's matmuls
-    python -m bench shapes --device cpu --shape tiny --counts 4 --high 64 --block 16  # a smoke run
+    python -m bench shapes --device cpu --shape tiny --counts 4 --low 17 --high 64 --block 16  # a smoke run
 
 Prefill runs each chunk's matmuls at M = rows x span tokens, a count a live stream seldom repeats, and the first
-call at a new M costs the library a choice of kernel: on the H200 4.4 ms for a layer's four matmuls the first
-time at a new count between 4096 and 8192, 0.82 ms again (bench/RESULTS.md). This measures it alone: a layer's
-four matmuls (joint q/k/v with its bias, output projection, joint gate/up, down) at `--counts` token counts
-drawn between `--low` and `--high`, each the first time and then again (wall time, the device synchronised
-around each call), once as one matmul per count and once as the worker runs them (`worker/fastpath/gemm.py`:
-the rows in blocks of `--block`, so the counts the library meets are the block's multiples). One row in
-bench/RESULTS.md.
+call at a new M costs the library a kernel's first use and its choice: on the H200 4.4 ms for a layer's four
+matmuls the first time at a new count between 4096 and 8192, 0.82 ms again (bench/RESULTS.md). This measures it
+alone: a layer's four matmuls (joint q/k/v with its bias, output projection, joint gate/up, down) at `--counts`
+token counts drawn between `--low` and `--high`, each the first time and then again (wall time, the device
+synchronised around each call), once as one matmul per count and once as the worker runs them
+(`worker/fastpath/gemm.py`: the rows in blocks of `--block`, so the counts the library meets are the block's
+multiples), the two passes taking turns count by count. One row in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -65,16 +65,26 @@ def timed_ms(run: Matmuls, tokens: int, device: str) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
-def passes(run: Matmuls, counts: list[int], device: str) -> dict[str, float]:
-    """Mean milliseconds of a layer's matmuls at each count the first time, then again."""
-    first = [timed_ms(run, m, device) for m in counts]
-    again = [timed_ms(run, m, device) for m in counts]
-    return {
-        "first_ms": round(statistics.fmean(first), 3),
-        "again_ms": round(statistics.fmean(again), 3),
-        "first_median_ms": round(statistics.median(first), 3),
-        "again_median_ms": round(statistics.median(again), 3),
-    }
+def passes(runs: list[tuple[Matmuls, list[int]]], device: str) -> list[dict[str, float]]:
+    """Per (matmuls, counts): the mean and median milliseconds of a layer's matmuls at each count the first time,
+    then again. The runs take turns count by count, so a kernel one loads first serves both about as often (the
+    first time at a count is mostly a kernel's first use)."""
+    first: list[list[float]] = [[] for _ in runs]
+    again: list[list[float]] = [[] for _ in runs]
+    for times in (first, again):
+        for i in range(max(len(counts) for _, counts in runs)):
+            for (run, counts), out in zip(runs, times, strict=True):
+                if i < len(counts):
+                    out.append(timed_ms(run, counts[i], device))
+    return [
+        {
+            "first_ms": round(statistics.fmean(f), 3),
+            "again_ms": round(statistics.fmean(a), 3),
+            "first_median_ms": round(statistics.median(f), 3),
+            "again_median_ms": round(statistics.median(a), 3),
+        }
+        for f, a in zip(first, again, strict=True)
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -114,9 +124,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "high": args.high,
         "block": args.block,
         "blocked_shapes": len(shapes),
-        "exact": passes(whole, counts, device),
-        "blocked": passes(blocked, others, device),
     }
+    report["exact"], report["blocked"] = passes([(whole, counts), (blocked, others)], device)
     out = Path(args.out)
     save_json(out, "shapes.json", report)
     exact, rows = report["exact"], report["blocked"]

@@ -510,14 +510,21 @@ def test_joined_projections_decode_token_for_token_as_separate_ones(tiny_models:
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=0)
 
 
-def test_warm_up_leaves_nothing_behind(pair: tuple[TokenRecorder, TokenRecorder]) -> None:
-    """The start-up warm-up (run on CUDA; here called by hand) decodes every model and a mixed batch, then
-    drops its graphs and cache: no phase times, no prompt history, and the next batch as exact as ever."""
+def test_warm_up_leaves_nothing_behind(
+    pair: tuple[TokenRecorder, TokenRecorder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start-up warm-up (run on CUDA; here called by hand) decodes every model and a mixed batch, warms
+    prefill's matmul row counts, then drops its graphs and cache: no phase times, no prompt history, and the next
+    batch as exact as ever."""
     eager, static = pair
     history = dict(static._longest_prompt)
     (decoder,) = static.decoders.values()
     captures = decoder.captures
+    warmed: list[int] = []
+    real = decoder.prefill.warm_row_counts
+    monkeypatch.setattr(decoder.prefill, "warm_row_counts", lambda: warmed.append(real()) or warmed[-1])
     static.warm_up()
+    assert warmed == [0]  # asked once; no row counts to warm off a GPU
     assert not decoder.holds_memory() and not decoder.phase_s
     assert static._longest_prompt == history  # the take is sized by real jobs only
     assert decoder.captures == captures  # no graphs on the CPU; the loop ran without them

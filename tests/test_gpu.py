@@ -211,11 +211,22 @@ def test_prefill_in_row_blocks_decodes_as_in_whole_matmuls(tiny_models: Path, mo
 
     engine = bf16_engine(tiny_models, "models-bf16-blocks.toml")
     (base,), (decoder,) = engine.bases.values(), engine.decoders.values()
+    blocked: list[int] = []
+    real = gemm._matmul_into
+
+    def spy(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        blocked.append(x.shape[0])
+        real(out, x, weight, bias)
+
+    monkeypatch.setattr(gemm, "_matmul_into", spy)
     for adapters, rows, kw in bf16_batches(base):
         monkeypatch.setattr(gemm, "ROW_BLOCK", 1 << 30)  # every matmul whole
         want = decoder.decode(rows, **kw)
+        assert not blocked
         monkeypatch.setattr(gemm, "ROW_BLOCK", 8)
         got = decoder.decode(rows, **kw)
+        assert blocked and all(m % 8 == 0 for m in blocked), adapters  # the blocks ran
+        blocked.clear()
         assert torch.equal(got.tokens, want.tokens), adapters
         torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0.05)
 

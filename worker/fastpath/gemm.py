@@ -39,13 +39,14 @@ def row_blocks() -> Iterator[None]:
 
 
 def block_of(x: torch.Tensor) -> int | None:
-    """The row block a matmul of `x` runs in: `ROW_BLOCK` on a GPU inside `row_blocks`, else None (whole; the
-    CPU's libraries choose per call at no such cost)."""
-    return ROW_BLOCK if x.is_cuda and _blocks.get() else None
+    """The row block a matmul of `x` runs in: `ROW_BLOCK` on a GPU inside `row_blocks` with gradients off (the
+    blocks write into slices of one output, which autograd refuses), else None (whole; the CPU's libraries
+    choose per call at no such cost)."""
+    return ROW_BLOCK if x.is_cuda and _blocks.get() and not torch.is_grad_enabled() else None
 
 
 def row_counts(most_rows: int, device: torch.device) -> list[int]:
-    """Every row count above a block that `linear` runs matmuls of up to `most_rows` rows at: the block's
+    """Every row count from the block up that `linear` runs matmuls of up to `most_rows` rows at: the block's
     multiples (none off a GPU)."""
     if device.type != "cuda":
         return []
@@ -83,8 +84,8 @@ def _matmul_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
 def add_matmul_(result: torch.Tensor, low: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`result += low @ b` in place, `result` (M, N) contiguous rows, `low` (M, R), `b` (R, N): in blocks of rows
     on a GPU as `blocked_linear` runs its matmuls -- the rows past the last multiple of the block take their sum
-    from the block of rows ending at the last one (made apart, then added: adding in place twice would count the
-    overlap twice)."""
+    from the block of rows ending at the last one, made apart and copied in (adding in place twice would count
+    the overlap twice; one `addmm` rounds the sum once, as `addmm_` does)."""
     return blocked_add_matmul_(result, low, b, block_of(result))
 
 
@@ -95,6 +96,6 @@ def blocked_add_matmul_(result: torch.Tensor, low: torch.Tensor, b: torch.Tensor
         return result.addmm_(low, b)
     body = rows - rows % block
     result[:body].addmm_(low[:body], b)
-    last = torch.mm(low[rows - block :], b)
-    result[body:].add_(last[block - (rows - body) :])
+    last = torch.addmm(result[rows - block :], low[rows - block :], b)
+    result[body:] = last[block - (rows - body) :]
     return result

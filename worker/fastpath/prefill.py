@@ -364,23 +364,24 @@ class Prefill:
         allowed = self.room(max(self.group_tokens, self.max_tokens))
         return self.tokens if allowed is None else max(self.tokens, min(self.max_tokens, allowed))
 
+    @torch.inference_mode()
     def warm_row_counts(self) -> int:
         """A layer's four matmuls once at every row count prefill runs them at on a GPU (`gemm.row_counts`, up to
-        `max_tokens`), on zeros: cuBLAS's first call at a new count cost ~1-2.5 ms on the H200 (`bench shapes`),
-        paid here at start instead of by a fresh worker's first takes. Single-adapter chunks run on merged weights
-        of the same shapes; a mixed chunk's LoRA matmuls are left to their first take. Returns the counts warmed."""
+        `max_tokens`: multiples of the block, which run whole), on zeros: cuBLAS's first call at a new count cost
+        ~1-2.5 ms on the H200 (`bench shapes`), paid here at start instead of by a fresh worker's first takes.
+        Single-adapter chunks run on merged weights of the same shapes; a mixed chunk's LoRA matmuls, and a single
+        prompt longer than a chunk, are left to their first take. Returns the counts warmed."""
         s = self.stack
         counts = gemm.row_counts(self.max_tokens, s.device)
         layer = s.layers[0]
         dense = layer.dense()
         hidden, inner = s.embed.weight.shape[1], s.heads * s.head_dim
-        with gemm.row_blocks():
-            for rows in counts:
-                x = torch.zeros(1, rows, hidden, dtype=s.dtype, device=s.device)
-                layer.qkv(x, [], dense[0])
-                layer.o(x.new_zeros(1, rows, inner), [], dense[1])
-                (gate, _), _ = layer.gate_up(x, [], dense[2])
-                layer.down(gate.contiguous(), [], dense[3])  # the MLP's inner width, laid out as its activations
+        for rows in counts:
+            x = torch.zeros(1, rows, hidden, dtype=s.dtype, device=s.device)
+            layer.qkv(x, [], dense[0])
+            layer.o(x.new_zeros(1, rows, inner), [], dense[1])
+            (gate, _), _ = layer.gate_up(x, [], dense[2])
+            layer.down(gate.contiguous(), [], dense[3])  # the MLP's inner width, laid out as its activations
         return len(counts)
 
     def chunk_rows(
