@@ -234,6 +234,12 @@ def test_same_cache_and_logits_as_chunk_major(decoder: StaticDecoder, merge_lora
     assert decoder.own_prefill
 
 
+# The setups whose prefill runs its matmuls on dequantised weights through `gemm` (the "nf4" loop's 4-bit weights
+# run inside bitsandbytes on the CPU).
+THROUGH_GEMM = ["float32", "bfloat16", "nf4-bfloat16-own"]
+
+
+@pytest.mark.parametrize("loop", THROUGH_GEMM, indirect=True)
 @pytest.mark.parametrize("merge_lora", [True, False])
 def test_matmuls_in_row_blocks_give_the_same_cache_and_logits(
     decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch, merge_lora: bool
@@ -241,8 +247,7 @@ def test_matmuls_in_row_blocks_give_the_same_cache_and_logits(
     """Prefill with its matmuls in blocks of 8 rows (`gemm`, a GPU's 256 scaled to the tiny chunks; blocks only
     inside the prefill's own `row_blocks`, so the chunk-major reference runs whole matmuls) against that
     reference: the blocks change which rows a matmul computes together, not the values."""
-    if not _tensors(decoder.stack.layers[0].dense()):
-        pytest.skip("this loop's matmuls run inside bitsandbytes on the CPU, not through `gemm`")
+    assert _tensors(decoder.stack.layers[0].dense())  # dequantised weights: its matmuls go through `gemm`
     blocked: list[int] = []
     real = gemm._matmul_into
 
@@ -266,11 +271,11 @@ def test_matmuls_in_row_blocks_give_the_same_cache_and_logits(
     assert blocked and all(m % 8 == 0 for m in blocked)
 
 
+@pytest.mark.parametrize("loop", THROUGH_GEMM, indirect=True)
 def test_the_warm_up_runs_a_layers_four_matmuls_at_each_row_count(
     decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not _tensors(decoder.stack.layers[0].dense()):
-        pytest.skip("this loop's matmuls run inside bitsandbytes on the CPU, not through `gemm`")
+    assert _tensors(decoder.stack.layers[0].dense())  # dequantised weights: its matmuls go through `gemm`
     seen: list[int] = []
     real = gemm.block_of
 
