@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis import Redis
@@ -65,6 +66,23 @@ def nf4_config(tiny_models: Path) -> Path:
     """Path of a models.toml over the tiny models in NF4, for worker subprocesses."""
     tiny_config(tiny_models, "nf4")
     return tiny_models / "models-nf4.toml"
+
+
+@pytest.fixture
+def blocked_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row count of every matmul `worker.fastpath.gemm` runs from here on as a block of a larger one (a spy on
+    its one matmul call)."""
+    from worker.fastpath import gemm  # torch: only for the tests that ask
+
+    rows: list[int] = []
+    real = gemm._matmul_into
+
+    def spy(out: Any, x: Any, weight: Any, bias: Any) -> None:
+        rows.append(x.shape[0])
+        real(out, x, weight, bias)
+
+    monkeypatch.setattr(gemm, "_matmul_into", spy)
+    return rows
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -203,7 +203,9 @@ def test_prefill_with_our_norm_kernel_decodes_as_without_it(tiny_models: Path) -
         torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0.05)
 
 
-def test_prefill_in_row_blocks_decodes_as_in_whole_matmuls(tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefill_in_row_blocks_decodes_as_in_whole_matmuls(
+    tiny_models: Path, monkeypatch: pytest.MonkeyPatch, blocked_rows: list[int]
+) -> None:
     """Prefill's matmuls in row blocks (`gemm`: here of 8 rows, so the tiny chunks split; 256 in the worker)
     against whole matmuls, in bfloat16 with graphs replayed: the same tokens, log-probabilities within bfloat16
     rounding (a block's rows may run in another kernel than the whole matmul's)."""
@@ -211,22 +213,14 @@ def test_prefill_in_row_blocks_decodes_as_in_whole_matmuls(tiny_models: Path, mo
 
     engine = bf16_engine(tiny_models, "models-bf16-blocks.toml")
     (base,), (decoder,) = engine.bases.values(), engine.decoders.values()
-    blocked: list[int] = []
-    real = gemm._matmul_into
-
-    def spy(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        blocked.append(x.shape[0])
-        real(out, x, weight, bias)
-
-    monkeypatch.setattr(gemm, "_matmul_into", spy)
     for adapters, rows, kw in bf16_batches(base):
         monkeypatch.setattr(gemm, "ROW_BLOCK", 1 << 30)  # every matmul whole
         want = decoder.decode(rows, **kw)
-        assert not blocked
+        assert not blocked_rows
         monkeypatch.setattr(gemm, "ROW_BLOCK", 8)
         got = decoder.decode(rows, **kw)
-        assert blocked and all(m % 8 == 0 for m in blocked), adapters  # the blocks ran
-        blocked.clear()
+        assert blocked_rows and all(m % 8 == 0 for m in blocked_rows), adapters  # the blocks ran
+        blocked_rows.clear()
         assert torch.equal(got.tokens, want.tokens), adapters
         torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0.05)
 

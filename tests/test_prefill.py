@@ -242,21 +242,13 @@ THROUGH_GEMM = ["float32", "bfloat16", "nf4-bfloat16-own"]
 @pytest.mark.parametrize("loop", THROUGH_GEMM, indirect=True)
 @pytest.mark.parametrize("merge_lora", [True, False])
 def test_matmuls_in_row_blocks_give_the_same_cache_and_logits(
-    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch, merge_lora: bool
+    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch, blocked_rows: list[int], merge_lora: bool
 ) -> None:
     """Prefill with its matmuls in blocks of 8 rows (`gemm`, a GPU's 256 scaled to the tiny chunks; blocks only
     inside the prefill's own `row_blocks`, so the chunk-major reference runs whole matmuls) against that
     reference: the blocks change which rows a matmul computes together, not the values."""
     assert _tensors(decoder.stack.layers[0].dense())  # dequantised weights: its matmuls go through `gemm`
-    blocked: list[int] = []
-    real = gemm._matmul_into
-
-    def spy(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        blocked.append(x.shape[0])
-        real(out, x, weight, bias)
-
     monkeypatch.setattr(gemm, "block_of", lambda x: 8 if gemm._blocks.get() else None)
-    monkeypatch.setattr(gemm, "_matmul_into", spy)
     decoder.prefill.merge_lora = merge_lora
     try:
         kv_new, new, kv_old, old = prefill_both(decoder, decode_rows())
@@ -268,7 +260,7 @@ def test_matmuls_in_row_blocks_give_the_same_cache_and_logits(
         torch.testing.assert_close(va, vb, **tolerance)
     torch.testing.assert_close(new, old, **tolerance)
     assert torch.equal(new.argmax(-1), old.argmax(-1))
-    assert blocked and all(m % 8 == 0 for m in blocked)
+    assert blocked_rows and all(m % 8 == 0 for m in blocked_rows)
 
 
 @pytest.mark.parametrize("loop", THROUGH_GEMM, indirect=True)
