@@ -373,6 +373,8 @@ class Prefill:
         prompt longer than a chunk, are left to their first take. Returns the counts warmed."""
         s = self.stack
         counts = gemm.row_counts(self.max_tokens, s.device)
+        if not counts:
+            return 0  # off a GPU: nothing to dequantise a layer for
         layer = s.layers[0]
         dense = layer.dense()
         hidden, inner = s.embed.weight.shape[1], s.heads * s.head_dim
