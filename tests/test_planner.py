@@ -225,7 +225,7 @@ def test_a_pool_that_leaves_few_rows_room_is_released_before_the_take(
     decoder = engine.decoders[engine.config.models["kev"].base]
     memory = engine.memory
 
-    def refresh(*, pools_retired: bool) -> None:
+    def refresh() -> None:
         memory.held_bytes = memory.resident_bytes + decoder.pool.nbytes
 
     monkeypatch.setattr(memory, "refresh", refresh)
@@ -298,55 +298,3 @@ def test_each_take_has_its_own_peak_and_the_engine_and_a_marked_window_keep_the_
         assert take.headroom_bytes == (6 * 1024 - 512 - peak_mib) * MIB
     assert budget.peak_since_mark() == 700 * MIB
     assert budget.peak_bytes() == 900 * MIB
-
-
-def _segment(device: int, total: int, active: int, pool: tuple[int, int] = (0, 0)) -> dict[str, object]:
-    return {"device": device, "total_size": total, "active_size": active, "segment_pool_id": pool}
-
-
-def test_releasable_bytes_are_the_default_pools_segments_with_nothing_active_on_that_device() -> None:
-    from worker import planner
-
-    segments = [
-        _segment(0, 20 * MIB, 0),  # cached, free: handed back by empty_cache
-        _segment(0, 2 * MIB, 0),
-        _segment(0, 40 * MIB, 1 * MIB),  # a tensor still in it: kept whole
-        _segment(0, 8 * MIB, 0, pool=(1, 3)),  # a captured graph's pool: kept while the graph lives
-        _segment(1, 64 * MIB, 0),  # another device
-    ]
-    assert planner.releasable_bytes(segments, torch.device("cuda", 0)) == 22 * MIB
-    assert planner.releasable_bytes(segments, torch.device("cuda", 1)) == 64 * MIB
-    assert planner.releasable_bytes([], torch.device("cuda", 0)) == 0
-
-
-def test_the_engine_empties_the_cache_only_on_its_first_look_and_after_a_graph_pool_retired(
-    tiny_models: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Emptying the cache before every take cost each take its segments again; a retired graph pool's segments
-    are only handed back by emptying it (counted as held, they shrank every later plan)."""
-    engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static")
-    asked: list[bool] = []
-    monkeypatch.setattr(engine.memory, "refresh", lambda *, pools_retired: asked.append(pools_retired))
-    retired = iter([0, 0, 1, 1, 1, 3])
-    monkeypatch.setattr(engine.loops, "retired_pools", lambda: next(retired))
-    for _ in range(6):
-        engine.refresh_memory()
-    assert asked == [True, False, True, False, False, True]
-
-
-def test_a_loops_retired_pools_count_those_of_a_loop_dropped_after_a_failure(
-    tiny_models: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A loop that failed is dropped (its base falls back to HF); its pools' retirements still count, so the
-    next look at memory empties the cache."""
-    engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static")
-    (decoder,) = engine.decoders.values()
-    before = engine.loops.retired_pools()
-
-    def fails(_: object) -> None:
-        decoder.graphs.retired_pools += 2  # as its release would count a pool with captures in it
-        raise RuntimeError("a kernel the device cannot run")
-
-    assert engine.loops.run("default", fails, what="decode", fallback="HF generate") is None
-    assert not engine.decoders
-    assert engine.loops.retired_pools() == before + 2

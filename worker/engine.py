@@ -111,7 +111,6 @@ class Engine:
         # Per model: the take size last logged, its prompts and its scored rows' choice tokens (None: generation).
         self._logged_takes: dict[str, tuple[int, int, int | None]] = {}
         self.loops = StaticLoops(self.bases, decode=decode, device=self.device, ops=ops)
-        self._retired_pools_seen = -1  # graph pools retired at the last look at memory; the first look empties
         self.decoders: dict[str, StaticDecoder] = self.loops.decoders  # by base; a base without one: HF generate
         self.guard = OomGuard(self.loops.release)
         self.give_prefill_room()
@@ -241,11 +240,8 @@ class Engine:
         return max(1, plan.max_rows)
 
     def refresh_memory(self) -> None:
-        """The memory the next plans start from, looked at again (see `MemoryBudget.refresh`): the cache emptied
-        only where a graph pool was retired since the last look."""
-        retired = self.loops.retired_pools()
-        self.memory.refresh(pools_retired=retired != self._retired_pools_seen)
-        self._retired_pools_seen = retired
+        """The memory the next plans start from, looked at again (see `MemoryBudget.refresh`)."""
+        self.memory.refresh()
 
     def expect(self, job: Job) -> bool:
         """A job about to be queued (the worker's longest new follow-up) or taken (the one at the front of the

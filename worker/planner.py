@@ -100,32 +100,13 @@ def set_allocator_cap(device: torch.device, cap_bytes: int) -> None:
     torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, cap_bytes / total)), device)
 
 
-def held_bytes(device: torch.device, *, empty_cache: bool) -> int:
-    """What the allocator holds that no new allocation can use: every segment still in use, what handing the
-    cached free ones back would leave -- weights, the KV pool, and the captured graphs' shared pool (the decode
-    graphs capture into one pool, since only one replays at a time: it holds about the largest step's
-    activations, not one set per graph, and `MAX_GRAPHS` bounds the graphs' own buffers).
-
-    Read from the allocator's segments (`releasable_bytes`): emptying the cache before every take made each take
-    open its ~27 segments again (a device synchronisation, then a free and a malloc a segment; 2-5% of the engine's
-    time on the H200). A graph pool whose graphs are all gone keeps its segments until the cache is emptied, and
-    the segments do not say it is dead (counted as held, it shrank nightly-2000's takes: 11 -> 14): with
-    `empty_cache` (some pool was retired since the last look), the cache is emptied and what stays is read."""
-    if empty_cache:
-        torch.cuda.empty_cache()
-        return int(torch.cuda.memory_reserved(device))
-    return int(torch.cuda.memory_reserved(device)) - releasable_bytes(torch.cuda.memory_snapshot(), device)
-
-
-def releasable_bytes(segments: list[dict[str, Any]], device: torch.device) -> int:
-    """The bytes `torch.cuda.empty_cache` would hand back on `device` while every graph pool is alive: its
-    default pool's segments with nothing active in them (a live graph's private pool keeps its segments)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return sum(
-        int(s["total_size"])
-        for s in segments
-        if s["device"] == index and s["active_size"] == 0 and tuple(s["segment_pool_id"]) == (0, 0)
-    )
+def held_bytes(device: torch.device) -> int:
+    """What the allocator holds that no new allocation can use: every segment still in use after the cached
+    free ones are handed back -- weights, the KV pool, and the captured graphs' shared pool (the decode graphs
+    capture into one pool, since only one replays at a time: it holds about the largest step's activations,
+    not one set per graph, and `MAX_GRAPHS` bounds the graphs' own buffers)."""
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_reserved(device))
 
 
 class MemoryBudget:
@@ -178,13 +159,12 @@ class MemoryBudget:
             cap // MIB,
         )  # fmt: skip
 
-    def refresh(self, *, pools_retired: bool = True) -> None:
+    def refresh(self) -> None:
         """Look again at what the allocator holds (CUDA), so the next plans count what is resident now: weights,
-        captured graphs' pool, the KV pools, anything cached. `pools_retired`: a graph pool may have died since
-        the last look (the cache is emptied to hand its segments back; see `held_bytes`)."""
+        captured graphs' pool, the KV pools, anything cached."""
         if self.device.type != "cuda":
             return
-        self.held_bytes = held_bytes(self.device, empty_cache=pools_retired)
+        self.held_bytes = held_bytes(self.device)
         self.pooled_bytes = max(0, self.held_bytes - self.allocated_bytes())
         # Kernels for new shapes (flash attention, cuBLAS) load into the context as batches come: the measured
         # H200 process grew past the budget by 10 MiB with the cap set only at start and after the warm-up.

@@ -40,7 +40,6 @@ class StaticLoops:
     ) -> None:
         self.device = device
         self.decoders: dict[str, StaticDecoder] = {}
-        self._retired_by_dropped = 0  # graph pools retired by loops dropped since (`retired_pools`)
         for name, base in bases.items():
             decoder = static_decoder(name, base, decode=decode, device=device, ops=ops)
             if decoder is not None:
@@ -60,7 +59,6 @@ class StaticLoops:
         except RuntimeError:
             log.exception("%s: the static loop failed for base %s; %s from now on", what, base, fallback)
             decoder.release()
-            self._retired_by_dropped += decoder.graphs.retired_pools
             del self.decoders[base]
             return None
 
@@ -74,11 +72,6 @@ class StaticLoops:
             gc.collect()
             torch.cuda.empty_cache()
         return freed
-
-    def retired_pools(self) -> int:
-        """Graph pools retired so far, every loop's (dropped ones' included): it grows when a pool's segments wait
-        for the cache to be emptied (`worker.planner.held_bytes`)."""
-        return self._retired_by_dropped + sum(d.graphs.retired_pools for d in self.decoders.values())
 
     def drop_idle(self, idle_s: float, *, min_rows: int) -> int:
         """Every loop's large graphs unused for `idle_s` dropped (see `GraphCache.drop_idle`); how many."""

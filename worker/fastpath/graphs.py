@@ -167,10 +167,6 @@ class GraphCache:
         # lengths otherwise captured a graph for every 64-token length bucket (29 captures in 81 s on the H200).
         self.length_slack = 1.25 if use_graphs else 1.0
         self.captures = 0  # graphs captured so far (a benchmark figure)
-        # Pools whose graphs are all gone (`clear`): their segments stay cached, and only emptying the cache hands
-        # them back (the planner empties it when this has grown since its last look).
-        self.retired_pools = 0
-        self._pool_captured = False  # the current pool holds a capture's memory
         # One side stream for every capture, as `torch.cuda.graph` keeps one: cuBLAS keeps a workspace per
         # (handle, stream) for the life of the process, so a stream per capture leaked one workspace each.
         self._stream: torch.cuda.Stream | None = None
@@ -225,9 +221,6 @@ class GraphCache:
     def clear(self) -> None:
         self.entries.clear()
         self.used_at.clear()
-        if self._pool_captured:
-            self.retired_pools += 1
-            self._pool_captured = False
         if self.use_graphs:
             # A graph memory pool whose graphs are all gone cannot take a new capture (the allocator asserts
             # on it), so later captures share a fresh one.
@@ -253,7 +246,6 @@ class GraphCache:
             # the cache is emptied first -- as `torch.cuda.graph(...)` does, but without its garbage
             # collection (~0.6 s a capture in the nightly profile).
             torch.cuda.empty_cache()
-            self._pool_captured = True
             with torch.cuda.stream(stream):
                 graph.capture_begin(self._pool)
                 try:
