@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from bench.common import append_results, hardware, save_json, sync
-from worker.fastpath.gemm import ROW_BLOCK, blocked_linear
+from worker.fastpath.gemm import ROW_BLOCK, blocked_linear, body_rows
 from worker.tools.tinymodel import SHAPES, TinyShape
 
 Matmuls = Callable[[int], None]
@@ -113,9 +113,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Counts of their own for the blocked pass (its first time is the first at these counts too), in the same range.
     pool = sorted(set(range(args.low, args.high + 1)) - set(counts))
     others = rng.sample(pool, min(len(pool), args.counts)) or counts
-    split = [m for m in others if m > args.block and m % args.block]
-    shapes = {m for m in others if m not in split} | {m - m % args.block for m in split}
-    shapes |= {args.block} if split else set()
+    shapes: set[int] = set()  # the row counts the blocked pass's matmuls run at
+    for m in others:
+        body = body_rows(m, args.block)
+        shapes |= {m} if body is None else {body, args.block}
     report = {
         "hardware": hardware(device, None),
         "shape": args.shape,

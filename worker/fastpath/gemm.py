@@ -58,17 +58,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return blocked_linear(x, weight, bias, block_of(x))
 
 
+def body_rows(rows: int, block: int | None) -> int | None:
+    """Where a matmul of `rows` rows splits: the rows up to the last multiple of `block` (then the `block` rows
+    ending at the last one run apart), or None where it runs whole -- at most a block, a multiple of it, or no
+    block."""
+    if block is None or rows <= block or rows % block == 0:
+        return None
+    return rows - rows % block
+
+
 def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block: int | None) -> torch.Tensor:
-    """x W^T (+ bias) over x's last dimension, as (M rows) one matmul where M is at most `block` or a multiple of
-    it (or `block` is None), else as the rows up to the last multiple of `block` and the `block` rows ending at
-    the last one, written into one output."""
+    """x W^T (+ bias) over x's last dimension, as (M rows) one matmul where it runs whole (`body_rows`), else as
+    the rows up to the last multiple of `block` and the `block` rows ending at the last one, written into one
+    output."""
     features = x.shape[-1]
     rows = x.numel() // max(1, features)
-    if block is None or rows <= block or rows % block == 0:
+    body = body_rows(rows, block)
+    if block is None or body is None:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, features)
     out = flat.new_empty(rows, weight.shape[0])
-    body = rows - rows % block
     _matmul_into(out[:body], flat[:body], weight, bias)
     _matmul_into(out[rows - block :], flat[rows - block :], weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -92,9 +101,9 @@ def add_matmul_(result: torch.Tensor, low: torch.Tensor, b: torch.Tensor) -> tor
 def blocked_add_matmul_(result: torch.Tensor, low: torch.Tensor, b: torch.Tensor, block: int | None) -> torch.Tensor:
     """`add_matmul_` with the row block given (None: one `addmm_`)."""
     rows = result.shape[0]
-    if block is None or rows <= block or rows % block == 0:
+    body = body_rows(rows, block)
+    if block is None or body is None:
         return result.addmm_(low, b)
-    body = rows - rows % block
     result[:body].addmm_(low[:body], b)
     last = torch.addmm(result[rows - block :], low[rows - block :], b)
     result[body:] = last[block - (rows - body) :]
