@@ -1,4 +1,4 @@
-"""`python -m bench {engine|nightly|fastpath|mixed|multigpu|kernels|prefill|shapes|submit|soak|recovery} ...`."""
+"""`python -m bench {engine|nightly|fastpath|mixed|multigpu|kernels|nf4fused|prefill|shapes|submit|soak|recovery}`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ def main() -> None:
         "mixed": "bench.mixed",
         "multigpu": "bench.multigpu",
         "kernels": "bench.kernels",
+        "nf4fused": "bench.nf4fused",
         "prefill": "bench.prefill",
         "shapes": "bench.shapes",
     }

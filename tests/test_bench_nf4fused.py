@@ -1,0 +1,44 @@
+"""The candidate fused NF4 matmul of `bench nf4fused`, run on the CPU by Triton's interpreter: x W^T equal to our
+dequantise-then-matmul reference up to the order of summation, rows and features past a tile's edge masked, for
+two block sizes; and the pair permutation it reads x in."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.nf4fused import pair_permuted
+from tests.test_pointwise import run_interpreted
+
+
+def test_pair_permuted_puts_each_blocks_even_columns_first() -> None:
+    x = torch.arange(2 * 8, dtype=torch.float32).view(2, 8)
+    assert pair_permuted(x, 4).tolist() == [[0, 2, 1, 3, 4, 6, 5, 7], [8, 10, 9, 11, 12, 14, 13, 15]]
+
+
+def test_fused_matmul_equals_dequantise_then_matmul() -> None:
+    out = run_interpreted("""
+        import torch
+        from bench.nf4fused import NF4_CODE, Nf4Weight, Tiles, fused_matmul, pair_permuted
+        from worker.fastpath import nf4
+        torch.manual_seed(0)
+        code = torch.tensor(NF4_CODE)
+        for rows, shape, blocksize, tiles in (
+            (5, (40, 256), 64, Tiles(rows=16, features=32, warps=4, stages=1)),
+            (19, (70, 384), 128, Tiles(rows=16, features=64, warps=4, stages=2)),
+        ):
+            weight = Nf4Weight.random(shape, blocksize, torch.device("cpu"))
+            x = torch.randn(rows, shape[1]).to(torch.float16)
+            dense = nf4.dequantize(weight.packed, weight.absmax, nf4.byte_table(code), shape=shape,
+                                   blocksize=blocksize, dtype=torch.float32).to(torch.float16)
+            want = x.float() @ dense.float().t()
+            got = fused_matmul(pair_permuted(x, blocksize), weight, code, tiles).float()
+            assert got.shape == want.shape
+            error = float((got - want).abs().max() / want.abs().max())
+            assert error < 2e-3, error
+            # A weight scaled up breaks it: the check can fail.
+            wrong = Nf4Weight(weight.packed, weight.absmax * 2, shape, blocksize)
+            off = fused_matmul(pair_permuted(x, blocksize), wrong, code, tiles).float()
+            assert float((off - want).abs().max() / want.abs().max()) > 0.5
+        print("ok")
+    """)
+    assert out.strip() == "ok"
