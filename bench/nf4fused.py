@@ -41,7 +41,6 @@ NF4_CODE = (
 
 # A Qwen2.5-1.5B decode step's 4-bit matmuls, (out, in) per layer: q/k/v joined, o, gate/up joined, down.
 STEP_SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
-LAYERS = 28
 
 if triton is not None:
     import triton.language as tl
@@ -110,9 +109,14 @@ def pair_permuted(x: torch.Tensor, blocksize: int) -> torch.Tensor:
 def fused_matmul(
     permuted: torch.Tensor, weight: Nf4Weight, code: torch.Tensor, tiles: Tiles, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x W^T for x given `pair_permuted` (M, in) and the NF4 `weight` (`code`: its 16 float32 values): (M, out)."""
+    """x W^T for x given `pair_permuted` (M, in) and the NF4 `weight` (`code`: its 16 float32 values): (M, out).
+    A program steps along K a scale block at a time: the block size a power of two from 32 (a dot's depth of 16
+    a nibble) dividing the input features, so no block straddles two rows."""
     rows = permuted.shape[0]
     out_features, in_features = weight.shape
+    blocksize = weight.blocksize
+    if blocksize < 32 or blocksize & (blocksize - 1) or in_features % blocksize:
+        raise ValueError(f"block size {blocksize} does not fit {in_features} input features (a power of two >= 32)")
     if out is None:
         out = torch.empty(rows, out_features, dtype=permuted.dtype, device=permuted.device)
     grid = (cdiv(rows, tiles.rows), cdiv(out_features, tiles.features))

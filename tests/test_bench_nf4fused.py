@@ -1,18 +1,27 @@
 """The candidate fused NF4 matmul of `bench nf4fused`, run on the CPU by Triton's interpreter: x W^T equal to our
 dequantise-then-matmul reference up to the order of summation, rows and features past a tile's edge masked, for
-two block sizes; and the pair permutation it reads x in."""
+two block sizes; block sizes it cannot step by refused; and the pair permutation it reads x in."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from bench.nf4fused import pair_permuted
+from bench.nf4fused import NF4_CODE, Nf4Weight, Tiles, fused_matmul, pair_permuted
 from tests.test_pointwise import run_interpreted
 
 
 def test_pair_permuted_puts_each_blocks_even_columns_first() -> None:
     x = torch.arange(2 * 8, dtype=torch.float32).view(2, 8)
     assert pair_permuted(x, 4).tolist() == [[0, 2, 1, 3, 4, 6, 5, 7], [8, 10, 9, 11, 12, 14, 13, 15]]
+
+
+@pytest.mark.parametrize(("shape", "blocksize"), [((8, 96), 48), ((8, 96), 16), ((8, 96), 64)])
+def test_a_block_size_the_kernel_cannot_step_by_is_refused(shape: tuple[int, int], blocksize: int) -> None:
+    weight = Nf4Weight.random((8, 192), 64, torch.device("cpu"))
+    odd = Nf4Weight(weight.packed, weight.absmax, shape, blocksize)
+    with pytest.raises(ValueError, match="does not fit"):
+        fused_matmul(torch.zeros(2, shape[1]), odd, torch.tensor(NF4_CODE), Tiles(16, 32, 4, 1))
 
 
 def test_fused_matmul_equals_dequantise_then_matmul() -> None:
