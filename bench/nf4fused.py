@@ -26,18 +26,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from bitsandbytes.functional import get_4bit_type
 
 from bench.common import append_results, save_json
 from bench.kernels import graph_ms
 from worker.fastpath import nf4
 from worker.fastpath.pointwise import cdiv, next_power_of_2, triton
 
-# bitsandbytes' NF4 code values (`bitsandbytes.functional.get_4bit_type("nf4")`), high nibble first in a byte.
-NF4_CODE = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-)  # fmt: skip
+
+def nf4_code(device: torch.device) -> torch.Tensor:
+    """bitsandbytes' 16 NF4 code values in float32 (a byte's high nibble indexes the first of its two weights)."""
+    return get_4bit_type("nf4", device=device).to(torch.float32)
+
 
 # A Qwen2.5-1.5B decode step's 4-bit matmuls, (out, in) per layer: q/k/v joined, o, gate/up joined, down.
 STEP_SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
@@ -148,7 +148,7 @@ def candidate_tiles(rows: int) -> list[Tiles]:
 def shape_report(rows: int, name: str, device: torch.device, blocksize: int) -> dict[str, Any]:
     """The reference's and the best tile's microseconds for one shape at `rows` rows, and the relative error."""
     weight = Nf4Weight.random(STEP_SHAPES[name], blocksize, device)
-    code = torch.tensor(NF4_CODE, device=device)
+    code = nf4_code(device)
     table = nf4.byte_table(code)
     x = torch.randn(rows, weight.shape[1], device=device, dtype=torch.bfloat16)
     permuted = pair_permuted(x, blocksize)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.nf4fused import NF4_CODE, Nf4Weight, Tiles, fused_matmul, pair_permuted
+from bench.nf4fused import Nf4Weight, Tiles, fused_matmul, nf4_code, pair_permuted
 from tests.test_pointwise import run_interpreted
 
 
@@ -21,16 +21,16 @@ def test_a_block_size_the_kernel_cannot_step_by_is_refused(shape: tuple[int, int
     weight = Nf4Weight.random((8, 192), 64, torch.device("cpu"))
     odd = Nf4Weight(weight.packed, weight.absmax, shape, blocksize)
     with pytest.raises(ValueError, match="does not fit"):
-        fused_matmul(torch.zeros(2, shape[1]), odd, torch.tensor(NF4_CODE), Tiles(16, 32, 4, 1))
+        fused_matmul(torch.zeros(2, shape[1]), odd, nf4_code(torch.device("cpu")), Tiles(16, 32, 4, 1))
 
 
 def test_fused_matmul_equals_dequantise_then_matmul() -> None:
     out = run_interpreted("""
         import torch
-        from bench.nf4fused import NF4_CODE, Nf4Weight, Tiles, fused_matmul, pair_permuted
+        from bench.nf4fused import Nf4Weight, Tiles, fused_matmul, nf4_code, pair_permuted
         from worker.fastpath import nf4
         torch.manual_seed(0)
-        code = torch.tensor(NF4_CODE)
+        code = nf4_code(torch.device("cpu"))
         for rows, shape, blocksize, tiles in (
             (5, (40, 256), 64, Tiles(rows=16, features=32, warps=4, stages=1)),
             (19, (70, 384), 128, Tiles(rows=16, features=64, warps=4, stages=2)),
