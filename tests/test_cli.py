@@ -121,6 +121,19 @@ def test_worker_commands_come_from_entry_points_and_hide_without_the_extra(monke
     assert out.exit_code != 0 and "needs the worker extra: pip install 'kevlaya[worker]'" in out.output
 
 
+def test_own_commands_resolve_without_reading_entry_points(run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`submit` and `status` run on every call from scripts: they must not scan every installed distribution."""
+    import producer.cli as pcli
+
+    def scanned() -> dict:
+        raise AssertionError("entry points read for a producer command")
+
+    monkeypatch.setattr(pcli, "_entry_points", scanned)
+    res = run("submit", "-", "--model", "laya", input=jsonl({"custom_id": "a", "prompt": "p"}))
+    assert res.exit_code == 0
+    assert run("status", res.stdout.strip(), "--json").exit_code == 0
+
+
 def test_worker_ops_flags_reach_the_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """`kevlaya worker --pointwise-kernels` / `--no-compile` build the engine with those ops options (the
     defaults without them)."""
