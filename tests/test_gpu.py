@@ -384,3 +384,76 @@ def test_the_pinned_ring_waits_for_copies_queued_on_a_side_stream() -> None:
     torch.cuda.synchronize()
     for want, got in zip(sent, arrived, strict=True):
         assert torch.equal(got.cpu(), want)
+
+
+def test_our_decode_attention_is_sdpa_under_the_mask_in_bfloat16_and_on_a_replayed_graph() -> None:
+    """A 256-row step's attention at Qwen2.5-1.5B's heads (2 KV heads of 6 queries, 128 features) over a
+    512-column cache, each row from its own first column: within bf16 rounding of SDPA under the rows' mask (in
+    float32); captured in a graph, a replay reads the firsts and the last column written into its inputs since."""
+    from worker.fastpath.decode_attention import decode_attention, serves
+
+    torch.manual_seed(0)
+    rows, kv_heads, groups, length, dim = 256, 2, 6, 512, 128
+    q = torch.randn(rows, kv_heads, groups, dim, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(rows, kv_heads, length, dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    first = torch.zeros(rows, dtype=torch.long, device="cuda")
+    last = torch.zeros(1, dtype=torch.long, device="cuda")
+    assert serves(q, k, v)
+
+    def want() -> torch.Tensor:
+        cols = torch.arange(length, device="cuda")
+        mask = ((cols >= first[:, None]) & (cols <= last)).view(rows, 1, 1, length)
+        return torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+
+    def fill(top: int) -> None:
+        last.fill_(top)
+        first.copy_(torch.randint(0, top + 1, (rows,), device="cuda"))
+        first[:3] = torch.tensor([top, 0, min(64, top)])  # one column (bucket padding), all, a block edge
+
+    fill(300)
+    got = decode_attention(q, k, v, first, last, scale=dim**-0.5)
+    assert got is not None
+    torch.testing.assert_close(got.float(), want(), rtol=0.02, atol=0.02)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k, v, first, last, scale=dim**-0.5)
+    assert out is not None
+    for top in (450, 17, 511):
+        fill(top)
+        graph.replay()
+        torch.testing.assert_close(out.float(), want(), rtol=0.02, atol=0.02)
+
+
+def test_decode_with_our_attention_on_replayed_graphs_keeps_its_tokens(
+    tiny_models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16, graphs replayed: a decoder whose steps run our attention kernel emits the tokens of one whose steps
+    run SDPA under the mask (the kernel switched off before that one captured), log-probabilities within bf16
+    rounding. (The tiny batches are far below the rows the kernel waits for on a GPU: allowed any here.)"""
+    from worker.fastpath import StaticDecoder, decode_attention
+
+    monkeypatch.setattr(decode_attention, "MIN_PROGRAMS", 1)
+    engine = bf16_engine(tiny_models, "models-bf16-attention.toml")
+    (base,), (ours,) = engine.bases.values(), engine.decoders.values()
+    assert ours.use_graphs and decode_attention.KERNEL.on
+    calls = [0]
+    real = decode_attention.decode_attention
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    batches = list(bf16_batches(base))
+    try:
+        decode_attention.decode_attention = counted
+        got = [ours.decode(rows, **kw) for _, rows, kw in batches for _ in range(2)][1::2]  # captured, replayed
+        assert calls[0] > 0
+        decode_attention.KERNEL.on = False
+        sdpa = StaticDecoder(base.model, torch.device("cuda"), use_graphs=True)
+        for (adapters, rows, kw), mine in zip(batches, got, strict=True):
+            want = sdpa.decode(rows, **kw)
+            assert torch.equal(mine.tokens, want.tokens), adapters
+            torch.testing.assert_close(mine.logprobs, want.logprobs, rtol=0, atol=0.05)
+    finally:
+        decode_attention.decode_attention = real
+        decode_attention.KERNEL.on = True

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from worker.fastpath import decode_attention
 from worker.fastpath.graphs import (
     KV,
     Ends,
@@ -245,10 +246,22 @@ class StaticDecoder:
             # Query length 1: the query heads sharing a KV head become that head's query rows -- GQA with no
             # K/V expansion. Head j uses KV head j // groups, as in HF's repeat_kv.
             q = q.reshape(rows, s.kv_heads, s.groups, s.head_dim)
-            out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=state.mask, scale=layer.scaling)
+            out = self._attention(state, q, k_cache, v_cache, layer.scaling)
             attn = out.reshape(rows, 1, s.heads * s.head_dim)
             h, x = s.rest(layer, h, attn, masks, s.next_norm(i), ops=s.step_ops)
         return s.head(x)[:, 0]
+
+    @staticmethod
+    def _attention(
+        state: State, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """One query token a row over its columns of the cache: our kernel, reading only each row's own columns
+        (`decode_attention`), else SDPA under the mask."""
+        if decode_attention.serves(q, k_cache, v_cache):
+            out = decode_attention.decode_attention(q, k_cache, v_cache, state.first, state.cache_pos, scale=scale)
+            if out is not None:
+                return out
+        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=state.mask, scale=scale)
 
     def _step(self, state: State, masks: Masks) -> None:
         state.mask.index_fill_(-1, state.cache_pos, True)  # the slot this step writes is now attended
@@ -381,6 +394,7 @@ class StaticDecoder:
         mask = (columns >= width - lengths[:, None]) & (columns < width)
         finished = np.arange(bucket) >= n
         state.mask.copy_(torch.from_numpy(mask).view(bucket, 1, 1, -1))
+        state.first.copy_(torch.from_numpy(width - lengths))
         # choose_tokens advances each row's position to its first generated token's
         state.pos.copy_(torch.from_numpy(lengths[:, None] - 1))
         state.limits.copy_(torch.from_numpy(limits))

@@ -93,6 +93,7 @@ class State:
         self.step = zeros(1)
         self.limits = zeros(rows)
         self.mask = zeros(rows, 1, 1, length, dtype=torch.bool)
+        self.first = zeros(rows)  # each row's first attended column (its prompt's first), for `decode_attention`
         self.tokens = zeros(rows, length)
         self.logprobs = zeros(rows, length, dtype=torch.float32)
         self.finished = zeros(rows, dtype=torch.bool)
