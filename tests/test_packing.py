@@ -71,11 +71,46 @@ def test_no_even_cut_where_the_longest_rows_to_come_fit_fewer_than_an_even_share
 
     def plan(model: str, *, input_tokens: int, **kw: Any) -> BatchPlan:
         nonlocal probes
-        probes += kw.get("may_release") is False
+        probes += kw.get("may_release") is False and "rows_wanted" not in kw
         return plan_of(rows_for)(model, input_tokens=input_tokens)
 
     list(pack(items(lengths), scoring=False, on_loop=True, plan=plan, choice_tokens=lambda j: 0))
     assert probes == 1  # asked once (the balance at the cut asks the same), not again for every row after it
+
+
+@pytest.mark.parametrize("scoring", [False, True])
+def test_rows_that_all_fit_are_one_sub_batch_after_one_look_at_the_plan(scoring: bool) -> None:
+    """Where every row fits as they are (the longest prompt, all the rows' figures), one sub-batch after one plan,
+    asked without releasing anything -- not one plan per prompt length."""
+    calls: list[dict[str, Any]] = []
+
+    def plan(model: str, *, input_tokens: int, **kw: Any) -> BatchPlan:
+        calls.append({"input_tokens": input_tokens, **kw})
+        return BatchPlan(max_rows=300, kv_bytes_per_token=1, bytes_per_row=1, free_bytes=1)
+
+    lengths = [50 + i for i in range(300)]
+    parts = list(pack(items(lengths), scoring=scoring, on_loop=True, plan=plan, choice_tokens=lambda j: 3))
+    assert [len(p) for p in parts] == [300]
+    assert [it.index for it in parts[0]] == list(range(300))
+    assert len(calls) == 1
+    assert calls[0]["input_tokens"] == 349 and calls[0]["may_release"] is False and calls[0]["rows_wanted"] == 300
+
+
+def test_rows_that_fit_only_with_the_pool_released_are_packed_as_before() -> None:
+    """A plan that holds every row only as though the KV pool were released is not taken as it is: the rows are
+    packed row by row, whose plans release the pool where that gains."""
+    released_at: list[int] = []
+
+    def plan(model: str, *, input_tokens: int, **kw: Any) -> BatchPlan:
+        looking = kw.get("may_release") is False
+        if not looking:
+            released_at.append(input_tokens)
+        rows = 300 if looking else 120
+        return BatchPlan(max_rows=rows, kv_bytes_per_token=1, bytes_per_row=1, free_bytes=1, released=looking)
+
+    parts = list(pack(items([100] * 300), scoring=False, on_loop=True, plan=plan, choice_tokens=lambda j: 0))
+    assert [len(p) for p in parts] == [100, 100, 100]
+    assert released_at  # the rows were planned by the plans that may release
 
 
 @pytest.mark.parametrize(

@@ -251,9 +251,11 @@ def test_a_pool_that_leaves_few_rows_room_is_released_before_the_take(
         look = engine.plan("kev", input_tokens=64, new_tokens=12, may_release=False)  # sizing a take: a look only
         assert decoder.pool.buffer is not None
         assert look.max_rows == (fresh.max_rows if released else kept.max_rows)
+        assert look.released == released  # a plan that holds only once the pool is gone says so
         planned = engine.plan("kev", input_tokens=64, new_tokens=12)
         assert (decoder.pool.buffer is None) == released
         assert planned.max_rows == (fresh.max_rows if released else kept.max_rows)
+        assert not planned.released  # planned on what the release left: it holds as it is
     finally:
         memory.total_bytes = None
         memory.held_bytes = None

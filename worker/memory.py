@@ -175,6 +175,7 @@ class BatchPlan:
     graph_rows: int = 0  # the most rows of a captured decode graph: its step's temporaries are resident already
     held_row_bytes: int = 0  # the layer-major prefill's held hidden states a row adds (its padded prompt)...
     held_cap_bytes: int = 0  # ...up to one group's
+    released: bool = False  # planned as though the loop's KV pool and graphs were released: true once they are
 
     def take_bytes(self, rows: int) -> int:
         """What a take of `rows` adds to what is resident. Rows the allocated KV pool holds reuse it (their KV is

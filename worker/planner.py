@@ -236,6 +236,8 @@ class MemoryBudget:
             scored_in_prefill=scoring and decoder is not None,
             one_adapter=one_adapter,
         )
+        if released:
+            plan = replace(plan, released=True)
         if decoder is None or scoring or plan.max_rows in ROW_BUCKETS:
             return plan  # scored rows run in no graph: no bucket to pad to
         # Rows are padded up to a bucket: plan the largest bucket that fits, not a size padded past the plan.
