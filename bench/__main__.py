@@ -1,4 +1,5 @@
-"""`python -m bench {engine|nightly|fastpath|mixed|multigpu|kernels|nf4fused|prefill|shapes|submit|soak|recovery}`."""
+"""`python -m bench {engine|nightly|fastpath|mixed|timeline|multigpu|kernels|nf4fused|prefill|shapes|submit|soak|
+recovery}`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ def main() -> None:
         "fastpath": "bench.fastpath",
         "recovery": "bench.recovery",
         "mixed": "bench.mixed",
+        "timeline": "bench.timeline",
         "multigpu": "bench.multigpu",
         "kernels": "bench.kernels",
         "nf4fused": "bench.nf4fused",
