@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     import bench.mixed as mixed
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(__doc__.strip(), end="\n\nbench mixed's options, which it takes:\n\n")
     out = Path(args[args.index("--out") + 1] if "--out" in args else "bench/out")
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "timeline.log"
