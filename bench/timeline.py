@@ -25,31 +25,33 @@ LOG_ENV = "KEVLAYA_TIMELINE_LOG"
 
 @dataclass(frozen=True)
 class Span:
-    """A function timed: `owner` (a class in `module`, or '' for the module itself) and its `name`."""
+    """A function timed: `owner` (a class in `module`, or '' for the module itself) and its `name`; `sized`: the
+    position (self included) of the argument whose length the line records (its rows, a group's chunks)."""
 
     module: str
     owner: str
     name: str
     label: str
+    sized: int | None = None
 
 
 WORKER_SPANS = (
     Span("worker.loop", "BatchWorker", "_step", "step"),
     Span("worker.loop", "BatchWorker", "_take", "take"),
-    Span("worker.loop", "BatchWorker", "_write", "write"),
+    Span("worker.loop", "BatchWorker", "_write", "write", sized=1),
     Span("worker.rqcompat.bridge", "RQBridge", "queue_facts", "queue_facts"),
     Span("worker.planner", "MemoryBudget", "refresh", "memory_look"),
     Span("worker.engine", "Engine", "capacity", "capacity"),
-    Span("worker.engine", "Engine", "run", "engine_run"),
-    Span("worker.prompts", "Encoder", "encode_many", "encode"),
-    Span("worker.settle", "Settler", "triage", "triage"),
-    Span("worker.settle", "Settler", "results", "results"),
-    Span("worker.engine", "", "score_static", "score"),
-    Span("worker.engine", "", "generate_static", "generate"),
-    Span("worker.fastpath.prefill", "Prefill", "_group", "prefill_group"),
-    Span("worker.fastpath.prefill", "Prefill", "_chunk", "prefill_chunk"),
+    Span("worker.engine", "Engine", "run", "engine_run", sized=1),
+    Span("worker.prompts", "Encoder", "encode_many", "encode", sized=1),
+    Span("worker.settle", "Settler", "triage", "triage", sized=1),
+    Span("worker.settle", "Settler", "results", "results", sized=2),
+    Span("worker.engine", "", "score_static", "score", sized=2),
+    Span("worker.engine", "", "generate_static", "generate", sized=2),
+    Span("worker.fastpath.prefill", "Prefill", "_group", "prefill_group", sized=4),
+    Span("worker.fastpath.prefill", "Prefill", "_chunk", "prefill_chunk", sized=2),
 )
-CLI_SPANS = (Span("producer.client", "Client", "_enqueue_chunk", "enqueue_chunk"),)
+CLI_SPANS = (Span("producer.client", "Client", "_enqueue_chunk", "enqueue_chunk", sized=2),)
 
 
 @dataclass(frozen=True)
@@ -61,24 +63,24 @@ class Line:
 
 
 def install(spans: tuple[Span, ...], log: TextIO) -> None:
-    """Wrap every span's function: each call writes one line (label, start, milliseconds, its first sized
-    argument's length where it has one)."""
+    """Wrap every span's function: each call writes one line (label, start, milliseconds, and the length of its
+    `sized` argument)."""
     for span in spans:
         module = importlib.import_module(span.module)
         owner: Any = getattr(module, span.owner) if span.owner else module
         original = getattr(owner, span.name)
-        setattr(owner, span.name, _timed(original, span.label, log))
+        setattr(owner, span.name, _timed(original, span, log))
 
 
-def _timed(fn: Callable[..., Any], label: str, log: TextIO) -> Callable[..., Any]:
+def _timed(fn: Callable[..., Any], span: Span, log: TextIO) -> Callable[..., Any]:
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
         start, began = time.time(), time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            sized = next((len(a) for a in args[1:] if isinstance(a, list | tuple)), "")
-            log.write(f"{label} {start:.4f} {(time.perf_counter() - began) * 1000:.2f} {sized}\n")
+            sized = len(args[span.sized]) if span.sized is not None and len(args) > span.sized else ""
+            log.write(f"{span.label} {start:.4f} {(time.perf_counter() - began) * 1000:.2f} {sized}\n")
 
     return timed
 

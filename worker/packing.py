@@ -99,9 +99,12 @@ def pack(
         return min(len(current), max(-(-total // 2), total - tail_cap))
 
     if ordered:
-        # All rows in one sub-batch where they fit as they are, nothing released: the plan only shrinks as prompts
-        # and figures grow, so the loop below would reach the same single sub-batch, asking the plan once per
-        # new prompt length on the way (~250 plans, ~10 ms of a 344-row take's host time before its first kernel).
+        # All rows in one sub-batch where one plan at the longest prompt and all the rows' figures holds them as
+        # they are, nothing released. Where the plan shrinks as prompts and figures grow (the loop's own prefill)
+        # the loop below reaches the same single sub-batch, asking the plan once per new prompt length on the way
+        # (~250 plans, ~10 ms of a 344-row take's host time before its first kernel). The model-forward fallback's
+        # set-aside is not monotone in the prompt length (whole prompts a chunk, rounded down), so there the loop
+        # could cut where this does not; it pads every row to the take's longest prompt, the plan asked here.
         whole = fit(len(ordered[-1].ids), *figures_of(ordered), rows_wanted=len(ordered), may_release=False)
         if whole.max_rows >= len(ordered) and not whole.released:
             yield ordered
