@@ -117,7 +117,8 @@ def read(path: Path) -> list[Line]:
 
 
 def workload_lines(lines: list[Line], marks: dict[str, tuple[float, float]]) -> Iterator[tuple[str, list[Line]]]:
-    """Each workload's lines, from its first submit's imports to the end of its run, idle polls left out."""
+    """Each workload's lines, from its first submit's imports to the end of its run, the idle loop's waiting
+    steps (a poll interval each) left out."""
     for name, (begin, end) in marks.items():
         submits = [x.start_s for x in lines if x.label == "cli_imports" and x.note == "submit" and x.start_s >= begin]
         origin = min(submits, default=begin)
@@ -126,7 +127,7 @@ def workload_lines(lines: list[Line], marks: dict[str, tuple[float, float]]) -> 
             [
                 Line(x.label, (x.start_s - origin) * 1000, x.ms, x.note)
                 for x in lines
-                if begin <= x.start_s <= end and not (x.label in ("step", "queue_facts") and x.ms >= 50)
+                if begin <= x.start_s <= end and not (x.label == "step" and x.ms >= 50)
             ],
         )
 
