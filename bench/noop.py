@@ -22,6 +22,9 @@ class NoopEngine:
     def run(self, jobs: Sequence[Job], *, time_limit_s: float | None = None) -> list[RowOutput]:
         return [RowOutput(text="ok", decision="ok", confidence=1.0, prompt_tokens=1, completion_tokens=1) for _ in jobs]
 
+    def prepare(self, jobs: Sequence[Job]) -> None:
+        return None
+
     def capacity(self, model: str) -> int:
         return 256
 

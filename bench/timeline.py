@@ -14,6 +14,7 @@ import functools
 import importlib
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ class Span:
 WORKER_SPANS = (
     Span("worker.loop", "BatchWorker", "_step", "step"),
     Span("worker.loop", "BatchWorker", "_take", "take"),
+    Span("worker.loop", "BatchWorker", "_take_ahead", "take_ahead"),
+    Span("worker.engine", "Engine", "prepare", "prepare", sized=1),
     Span("worker.loop", "BatchWorker", "_write", "write", sized=1),
     Span("worker.rqcompat.bridge", "RQBridge", "queue_facts", "queue_facts"),
     Span("worker.planner", "MemoryBudget", "refresh", "memory_look"),
@@ -80,7 +83,9 @@ def _timed(fn: Callable[..., Any], span: Span, log: TextIO) -> Callable[..., Any
             return fn(*args, **kwargs)
         finally:
             sized = len(args[span.sized]) if span.sized is not None and len(args) > span.sized else ""
-            log.write(f"{span.label} {start:.4f} {(time.perf_counter() - began) * 1000:.2f} {sized}\n")
+            # The helper thread's calls (worker.ahead) run beside the loop's: marked so.
+            label = span.label if threading.current_thread() is threading.main_thread() else f"{span.label}@ahead"
+            log.write(f"{label} {start:.4f} {(time.perf_counter() - began) * 1000:.2f} {sized}\n")
 
     return timed
 

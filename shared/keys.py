@@ -137,6 +137,12 @@ class Keys:
         model and lane, so recovered work keeps its priority)."""
         return f"{self.prefix}w:suspects:{model}" if lane == BULK else f"{self.prefix}w:suspects:{model}:{lane}"
 
+    def held(self, worker: str) -> str:
+        """Set: execution ids of a worker's takes that are in its hands but not on its GPU (taken ahead while
+        another take runs, or answered and still being written). A crash is not theirs: recovery returns their
+        jobs to the front of their queue without counting one."""
+        return f"{self.prefix}w:held:{worker}"
+
     def quarantine(self) -> str:
         """List: JSON records of entries the worker could not read, newest first (capped)."""
         return f"{self.prefix}w:quarantine"

@@ -52,6 +52,10 @@ class FakeEngine:
             completion_tokens=2,
         )
 
+    def prepare(self, jobs: Sequence[Job]) -> None:
+        """Nothing to prepare: `run` is called without `encoded`."""
+        return None
+
     def capacity(self, model: str) -> int:
         return self.rows
 

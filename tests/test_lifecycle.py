@@ -37,7 +37,7 @@ def test_statuses_from_in_progress_to_completed(client: Client, redis: Redis) ->
 def test_finalizing_while_follow_ups_wait_then_completed(client: Client, redis: Redis) -> None:
     handle = client.submit_batch(items(2, prompt="unsure"))
     worker = BatchWorker(redis, FakeEngine(), FAKE_CONFIG, WorkerSettings(burst=True, mixed_tails=False))
-    worker._run_take(worker._take(QueueRef("laya"), {}, suspects=0, queued=2))
+    worker._run_take(worker._prepare(worker._take(QueueRef("laya"), {}, suspects=0, queued=2)))
     assert client.status(handle.id).status == "finalizing"
     drain(redis)
     assert client.status(handle.id).status == "completed"

@@ -129,7 +129,9 @@ def _laya_answered_kev_queued(client: Client, redis: Redis, n: int) -> str:
     """A batch whose unsure Laya answers are written and whose Kev follow-ups wait in the queue."""
     handle = client.submit_batch([{"custom_id": f"u{i}", "model": "laya", "prompt": "unsure"} for i in range(n)])
     worker = BatchWorker(redis, FakeEngine(), FAKE_CONFIG, WorkerSettings(burst=True, mixed_tails=False))
-    worker._run_take(worker._take(QueueRef("laya"), {}, suspects=0, queued=n))  # one Laya take, no Kev take
+    worker._run_take(
+        worker._prepare(worker._take(QueueRef("laya"), {}, suspects=0, queued=n))
+    )  # one Laya take, no Kev take
     assert redis.llen("rq:queue:kevlaya:kev") == n
     return handle.id
 

@@ -15,7 +15,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -49,6 +49,25 @@ TYPICAL_INPUT_TOKENS = 256  # sizes the worker's take; real lengths size the eng
 # memory beside the paced takes' graphs.
 GRAPH_IDLE_S = 30.0
 GRAPH_DROP_ROWS = 16
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A take's jobs as `Engine.prepare` encoded them, index-aligned: each an Item, or the JobFailure it fails with."""
+
+    jobs: tuple[Job, ...]
+    items: tuple[Item | JobFailure, ...]
+    seconds: float = 0.0  # what encoding them cost
+
+    def of(self, jobs: Sequence[Job]) -> bool:
+        """Whether these are the jobs encoded, in their order (the same objects)."""
+        return len(jobs) == len(self.jobs) and all(a is b for a, b in zip(jobs, self.jobs, strict=True))
+
+    def then(self, more: Encoded) -> Encoded:
+        """These jobs followed by `more`'s, as one take's (`more`'s rows indexed after these)."""
+        shift = len(self.jobs)
+        moved = (i if isinstance(i, JobFailure) else replace(i, index=i.index + shift) for i in more.items)
+        return Encoded(self.jobs + more.jobs, self.items + tuple(moved), self.seconds + more.seconds)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,18 +309,31 @@ class Engine:
         return self.memory.peak_bytes()
 
     # ---- the batch contract -----------------------------------------------------------------
-    def run(self, jobs: Sequence[Job], *, time_limit_s: float | None = None) -> list[RowOutput]:
+    def prepare(self, jobs: Sequence[Job]) -> Encoded:
+        """The host work of `run` that needs neither the GPU nor the memory plan -- the prompts encoded -- for a
+        take about to run (worker.ahead: made on another thread while the GPU runs the take before it)."""
+        started = time.perf_counter()
+        items = tuple(self.encoder.encode_many(jobs))
+        return Encoded(tuple(jobs), items, time.perf_counter() - started)
+
+    def run(
+        self, jobs: Sequence[Job], *, time_limit_s: float | None = None, encoded: Encoded | None = None
+    ) -> list[RowOutput]:
         """Answer every job, index-aligned. Choice jobs are scored, the others generated.
 
         `time_limit_s` bounds the whole call: generation stops at the deadline and the rows it cut short,
-        like the sub-batches not started by then, fail with `timeout`; finished rows keep their answers."""
+        like the sub-batches not started by then, fail with `timeout`; finished rows keep their answers.
+        `encoded`: `prepare`'s work for these very jobs, done already."""
         self._deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
         self.refresh_memory()
+        if encoded is None or not encoded.of(jobs):
+            encoded = self.prepare(jobs)
         outputs: list[RowOutput | None] = [None] * len(jobs)
         groups: dict[tuple[Any, ...], list[Item]] = defaultdict(list)
         longest: dict[str, int] = {}
+        self.phase_s["encode"] += encoded.seconds
         started = time.perf_counter()
-        for index, (job, item) in enumerate(zip(jobs, self.encoder.encode_many(jobs), strict=True)):
+        for index, (job, item) in enumerate(zip(jobs, encoded.items, strict=True)):
             if isinstance(item, JobFailure):
                 outputs[index] = RowOutput.failed(item.type, str(item))
                 continue

@@ -3,7 +3,8 @@
 One loop, one `except` boundary per batch. Each pass: recover abandoned jobs (rate-limited, worker.recovery),
 pick a lane and model (worker.lanes, worker.policy), take up to N jobs atomically or one suspect group
 (worker.take), triage them, run the rest through the engine as one batch, and settle every row
-(worker.settle): results written, escalations enqueued as follow-ups, RQ's registries updated.
+(worker.settle): results written, escalations enqueued as follow-ups, RQ's registries updated. While the
+engine runs a take, a helper thread writes the take before it and takes the next one ahead (worker.ahead).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 import redis.exceptions
@@ -22,6 +24,7 @@ from shared.enqueue import EnqueueSettings
 from shared.errors import INTERNAL
 from shared.job import Job
 from shared.keys import BULK, INTERACTIVE, Keys, QueueRef
+from worker.ahead import AHEAD_POLL_S, Answered, Helper, InHand, Prepared, exec_ids, in_hand
 from worker.config import ModelsConfig
 from worker.faults import maybe_crash
 from worker.followups import prompt_chars
@@ -34,8 +37,9 @@ from worker.policy import QueueState
 from worker.presence import Presence
 from worker.recovery import RecoveryPass
 from worker.rqcompat import RQBridge
+from worker.rqcompat.bridge import QueueFacts
 from worker.settings import WorkerSettings, worker_name
-from worker.settle import Row, Settler, dead_letter, outputs_tokens
+from worker.settle import Row, Settler, Triage, dead_letter, outputs_tokens
 from worker.stats import PUBLISH_EVERY_BATCHES, BatchFacts, WorkerStats
 from worker.take import Take, Taker
 from worker.versions import model_versions
@@ -50,7 +54,8 @@ class EngineLike(Protocol):
     """What the worker needs from an engine: answers, index-aligned; how many rows to take; and a hint of
     the longest job about to be queued (so the next take of its model is sized for it)."""
 
-    def run(self, jobs: Sequence[Job], *, time_limit_s: float | None = None) -> list[Any]: ...
+    def run(self, jobs: Sequence[Job], *, time_limit_s: float | None = None, encoded: Any = None) -> list[Any]: ...
+    def prepare(self, jobs: Sequence[Job]) -> Any: ...  # host work for `run`'s `encoded` (None: nothing)
     def capacity(self, model: str) -> int: ...
     def expect(self, job: Job) -> bool | None: ...
 
@@ -87,16 +92,20 @@ class BatchWorker:
         self._suspended = False
         self._errors_reported = 0
         self.health: HealthServer | None = None
-        self._in_flight: dict[QueueRef, list[str]] = {}
+        # Jobs in hand: the take running, the one answered and being written behind it, the one taken ahead.
+        self._running: list[InHand] = []
+        self._unwritten: Answered | None = None
+        self._ahead: Prepared | None = None
+        self._held_ahead: list[InHand] = []
+        self.helper: Helper[Prepared | None] = Helper()
+        self._capacity: dict[str, int] = {}  # each model's take as the loop last sized it (for the helper's look)
         self._lock = threading.Lock()
         self._last_recovery = 0.0
         self.bulk_turn = BulkTurn(every=settings.bulk_every_takes)
         self.pace = BulkPace(take_s=settings.paced_take_ms / 1000, window_s=settings.interactive_window_s)
         self._paced = False  # for the log line when pacing starts and stops
         self._pace_now = time.monotonic()  # the step's one reading of the pacer's clock
-        self.presence = Presence(
-            redis, self.keys, self.bridge, settings, stop=self._stop, in_flight=self._in_flight_now
-        )
+        self.presence = Presence(redis, self.keys, self.bridge, settings, stop=self._stop, in_flight=self._in_hand_now)
         self.taker = Taker(
             self.bridge,
             config,
@@ -139,15 +148,19 @@ class BatchWorker:
                     # Whatever this batch had not written stays registered as started; its heartbeat now
                     # lapses, and recovery requeues it once Redis is back. Nothing is lost, nothing doubled.
                     log.warning("redis unavailable (%s); retrying", exc)
+                    self._let_go()
                     self.presence.redis_ok_since = time.time()
                     self._stop.wait(1.0)
                 except redis.exceptions.ResponseError as exc:
                     # A key some writer replaced with another type where no check caught it: the take's
                     # entries lapse and go back to their queue (no crash charged); the worker goes on.
                     log.exception("redis refused a command (%s); carrying on", exc)
+                    self._let_go()
                     self.bridge.quarantine.put("worker loop", f"redis refused a command: {exc}", "")
                     self._stop.wait(1.0)
+            self._settle_hands()
         finally:
+            self.helper.close()
             self.ready.clear()
             self._stop.set()
             self.wake.close()
@@ -169,31 +182,43 @@ class BatchWorker:
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
 
-    def _in_flight_now(self) -> dict[QueueRef, list[str]]:
+    def _in_hand_now(self) -> list[InHand]:
+        """Every take in this worker's hands (for the heartbeat and recovery)."""
         with self._lock:
-            return {m: list(ids) for m, ids in self._in_flight.items()}
+            unwritten = in_hand(self._unwritten.rows) if self._unwritten is not None else []
+            return [*self._running, *unwritten, *self._held_ahead]
+
+    def _let_go(self) -> None:
+        """After Redis failed mid-step: nothing in hand is tracked any more. The helper's work is waited for; what
+        was not written, or taken ahead, lapses and goes back to its queue through recovery (no crash counted)."""
+        try:
+            self.helper.join()
+        except Exception:  # the same outage, seen by the helper
+            log.debug("the helper failed too", exc_info=True)
+        with self._lock:
+            self._running, self._unwritten, self._ahead, self._held_ahead = [], None, None, []
+
+    def _settle_hands(self) -> None:
+        """The loop ends normally: the take made ahead goes back to its queue, the last answers are written."""
+        self._give_back_ahead()
+        self._write_unwritten()
 
     # ---- one pass of the loop -----------------------------------------------------------------
     def _step(self) -> bool:
         """One batch, or one idle poll. Returns False when a burst worker should exit."""
+        ahead, self._ahead = self._ahead, None
         if self._is_suspended():
+            self._ahead = ahead
+            self._settle_hands()
             if self.settings.burst:
                 return False
             self._stop.wait(1.0)
             return True
         self._maybe_recover()
-        now = time.time()
         facts = self.bridge.queue_facts()
-        # Once per model, not per lane: on a GPU each look at the capacity re-measures the allocator.
-        capacity = {m: self.engine.capacity(m) for m in sorted({ref.model for ref, f in facts.items() if f.depth})}
-        states = {
-            ref: QueueState(
-                f.depth + f.suspect_groups,
-                (now - f.oldest_enqueued_at) * 1000 if (f.depth and f.oldest_enqueued_at) else 0.0,
-                take=capacity[ref.model] if f.depth else 0,
-            )
-            for ref, f in facts.items()
-        }
+        if ahead is not None:  # the policy sees the queue as it would be without the take made ahead
+            facts = with_ahead(facts, ahead)
+        states = self._states(facts)
         ref = choose_queue(
             self.current_model,
             states,
@@ -201,7 +226,14 @@ class BatchWorker:
             bulk_due=self.bulk_turn.due,
             escalates_to=self.escalates_to,
         )
+        if ahead is not None and (ref != ahead.ref or (facts[ref].suspect_groups and self.taker.suspect_turn)):
+            self._ahead = ahead
+            self._give_back_ahead()
+            ahead = None
+            facts = self.bridge.queue_facts()
+            states = self._states(facts)
         if ref is None:
+            self._write_unwritten()
             if self.settings.burst and not self._anything_recoverable():
                 return False
             self.wake.wait(self.settings.idle_poll_s)
@@ -212,21 +244,34 @@ class BatchWorker:
         self.current_model = ref.model
         self._pace_now = time.monotonic()
         paced = self._pacing(ref, states)
-        take_started = time.monotonic()
-        taken = self._take(ref, states, suspects=facts[ref].suspect_groups, queued=facts[ref].depth)
-        take_s = time.monotonic() - take_started
+        if ahead is not None:
+            queued = facts[ref].depth - sum(1 for r in ahead.rows if r.ref == ref)
+            prepared = self._topped_up(ahead, states, queued=queued)
+        else:
+            prepared = self._prepare(
+                self._take(ref, states, suspects=facts[ref].suspect_groups, queued=facts[ref].depth)
+            )
+        taken = prepared.take
         if not taken.rows:
             # Back in the idle set: a take whose every id was quarantined left it in the take's script.
+            self._write_unwritten()
             self.presence.report(busy=False)
             return True
         started = time.monotonic()
-        self._run_take(taken, take_s)
+        self._run_take(prepared)
         # Only a normal bulk take of this model alone tells what its takes cost (not a suspect group, not a take
         # topped up with another model's tail).
         if ref.lane == BULK and taken.allowed and all(r.model == ref.model for r in taken.rows):
             took = TakeTime(rows=len(taken.rows), seconds=time.monotonic() - started)
             self.pace.record(ref.model, took, allowed=taken.allowed, paced=paced)
         return True
+
+    def _states(self, facts: Mapping[QueueRef, QueueFacts]) -> dict[QueueRef, QueueState]:
+        now = time.time()
+        # Once per model, not per lane: on a GPU each look at the capacity re-measures the allocator.
+        capacity = {m: self.engine.capacity(m) for m in sorted({ref.model for ref, f in facts.items() if f.depth})}
+        self._capacity.update(capacity)
+        return queue_states(facts, capacity, now)
 
     def _pacing(self, ref: QueueRef, states: dict[QueueRef, QueueState]) -> bool:
         """Whether this take is a paced bulk take (worker.pace): interactive work waits now or did lately."""
@@ -252,13 +297,116 @@ class BatchWorker:
         return suspended
 
     def _take(self, ref: QueueRef, states: dict[QueueRef, QueueState], *, suspects: int, queued: int) -> Take:
+        capacity = self._take_size(ref, states, queued=queued)
+        return self.taker.take(ref, states, capacity=capacity, suspects=suspects, queued=queued)
+
+    def _take_size(self, ref: QueueRef, states: dict[QueueRef, QueueState], *, queued: int) -> int:
         # The step's own look at the capacity (each look re-measures the allocator on a GPU); a queue holding
         # only suspect groups had none, and looks now.
         seen = states.get(ref)
         capacity = seen.take if seen is not None and seen.take else self.engine.capacity(ref.model)
         if queued > capacity:
             capacity = self._sized_by_head(ref, capacity)
-        return self.taker.take(ref, states, capacity=capacity, suspects=suspects, queued=queued)
+        return capacity
+
+    # ---- the take ahead (worker.ahead) --------------------------------------------------------
+    def _prepare(self, taken: Take, *, ahead: bool = False) -> Prepared:
+        """A take made ready for the engine: triaged, its settled rows written, its runnable jobs encoded."""
+        started = time.monotonic()
+        triage = self.settler.triage(taken.rows) if not taken.dead else None
+        encoded = None
+        if triage is not None:
+            self._write(triage.settled)
+            jobs = [r.job for r in triage.runnable if r.job is not None]
+            encoded = self.engine.prepare(jobs) if jobs else None
+        host_s = 0.0 if ahead else time.monotonic() - started
+        return Prepared(taken, taken_ref(taken), triage, encoded, host_s, ahead=ahead)
+
+    def _topped_up(self, ahead: Prepared, states: dict[QueueRef, QueueState], *, queued: int) -> Prepared:
+        """The take made ahead, with more of its queue where it holds fewer rows than a take now would (it was
+        made while the queue was still filling)."""
+        held = sum(1 for r in ahead.rows if r.ref == ahead.ref)
+        room = self._take_size(ahead.ref, states, queued=queued + held) - len(ahead.rows)
+        if room <= 0 or queued <= 0 or ahead.take.dead:
+            return ahead
+        more = self._prepare(self.taker.take(ahead.ref, states, capacity=room, suspects=0, queued=queued))
+        if not more.rows:
+            return ahead
+        return joined(ahead, more)
+
+    def _take_ahead(self, current: Prepared) -> Prepared | None:
+        """On the helper thread, while `current` runs: the next take of its queue, if the loop's next step will
+        want one (no interactive work waiting behind a bulk take, no idle peer, the policy staying on this
+        queue). It waits for jobs while the take runs, looking every `AHEAD_POLL_S`."""
+        ref = current.ref
+        if current.take.dead or not current.take.allowed or self.pace.live(self._pace_now):
+            return None
+        boundary = self.helper.boundary
+        while True:
+            if self._stop.is_set():
+                return None
+            facts = self.bridge.queue_facts(move_aside=False)
+            if ref.lane == BULK and any(f.depth for r, f in facts.items() if r.lane == INTERACTIVE):
+                return None
+            if facts[ref].depth:
+                break
+            if boundary.wait(AHEAD_POLL_S):
+                return None
+        states = queue_states(facts, {**self._capacity, ref.model: current.take.allowed}, time.time())
+        policy = choose_queue(
+            ref.model,
+            states,
+            max_wait_ms=self.settings.max_wait_ms,
+            bulk_due=self.bulk_turn.due,
+            escalates_to=self.escalates_to,
+        )
+        if policy != ref:
+            return None
+        exec_id = self.bridge.begin_batch()
+        self.bridge.mark_held(add=[exec_id], ttl_s=self.settings.result_ttl_s)
+        taken = self.taker.take(
+            ref, states, capacity=current.take.allowed, suspects=0, queued=facts[ref].depth, exec_id=exec_id, ahead=True
+        )
+        with self._lock:
+            self._held_ahead = in_hand(taken.rows)
+        if not taken.rows:
+            self.bridge.mark_held(remove=[exec_id], ttl_s=self.settings.result_ttl_s)
+            return None
+        return self._prepare(taken, ahead=True)
+
+    def _give_back_ahead(self) -> None:
+        """The take made ahead, not wanted after all: its jobs back to the front of their queues."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        back = list(ahead.triage.runnable) if ahead.triage is not None else ahead.rows
+        for hand in in_hand(back):
+            self.bridge.give_back(hand.ref, list(hand.ids), exec_id=hand.exec_id)
+        self.settler.unmark_running(back)
+        self.bridge.mark_held(remove=exec_ids(ahead.rows), ttl_s=self.settings.result_ttl_s)
+        with self._lock:
+            self._held_ahead = []
+        log.debug("gave back %d job(s) taken ahead", len(back))
+
+    def _write_unwritten(self) -> None:
+        """The last take's answers, written now (nothing runs that they could be written behind)."""
+        answered = self._unwritten
+        if answered is not None:
+            self._write_answered(answered, held=False)
+
+    def _write_answered(self, answered: Answered, *, held: bool) -> None:
+        self._write(self.settler.results(answered.triage, answered.outputs, engine_s=answered.engine_s))
+        with self._lock:
+            if self._unwritten is answered:
+                self._unwritten = None
+        if held:
+            self.bridge.mark_held(remove=exec_ids(answered.rows), ttl_s=self.settings.result_ttl_s)
+
+    def _behind_and_ahead(self, unwritten: Answered | None, current: Prepared) -> Prepared | None:
+        """The helper's work while `current` runs: the take before it written, the next one taken."""
+        if unwritten is not None:
+            self._write_answered(unwritten, held=True)
+        return self._take_ahead(current)
 
     def _sized_by_head(self, ref: QueueRef, capacity: int) -> int:
         """A full take's size once the engine has seen the job at the queue's front: the model's last batch sized
@@ -280,42 +428,66 @@ class BatchWorker:
             log.exception("sizing the take by job %s at the front of %s failed; keeping %d rows", raw.id, ref, capacity)
             return capacity
 
-    def _run_take(self, taken: Take, take_s: float = 0.0) -> None:
-        rows = taken.rows
+    def _run_take(self, prepared: Prepared) -> None:
+        rows = prepared.rows
+        if prepared.take.dead:  # a suspect group written off: nothing runs that answers could be written behind
+            self._write_unwritten()
+        unwritten = self._unwritten
+        # The answers before this take are written behind it, this take's ids leave the held set: one round trip.
+        behind = exec_ids(unwritten.rows) if unwritten is not None else []
+        self.bridge.mark_held(
+            add=behind, remove=exec_ids(rows) if prepared.ahead else [], ttl_s=self.settings.result_ttl_s
+        )
         with self._lock:
-            self._in_flight = {q: [r.raw.id for r in rows if r.ref == q] for q in {r.ref for r in rows}}
+            self._running = in_hand(rows)
+            self._held_ahead = []
         started = time.time()
         self.presence.report(busy=True)
+        ahead: Prepared | None = None
         try:
-            if taken.dead:
+            if prepared.take.dead:
                 self.stats.dead_lettered += len(rows)
                 self._write(dead_letter(self.settler, rows))
             else:
-                self._process(rows, take_s)
+                ahead = self._process(prepared, unwritten)
         finally:
             with self._lock:
-                self._in_flight = {}
+                self._running = []
             errors = self.stats.errors - self._errors_reported
             self._errors_reported = self.stats.errors
             ok = max(len(rows) - errors, 0)
-            self.presence.report(busy=False, ok=ok, failed=errors, seconds=time.time() - started)
+            # Straight on to the take made ahead: not idle in between (peers sharing a tail read the idle set).
+            busy = ahead is not None
+            self.presence.report(busy=busy, ok=ok, failed=errors, seconds=time.time() - started)
+        self._ahead = ahead
 
-    def _process(self, rows: list[Row], take_s: float = 0.0) -> None:
-        """Settled rows are written first; then the rest run as one batch. A take is either normal jobs or one
-        suspect group (worker.recovery), never both, so a crash is charged to exactly the jobs that ran.
-        `take_s`: what taking the rows cost (for the batch's log line, beside its other host work)."""
+    def _process(self, prepared: Prepared, unwritten: Answered | None) -> Prepared | None:
+        """The take's runnable rows through the engine as one batch, while the helper writes `unwritten` and takes
+        the next one ahead (returned). A take is either normal jobs or one suspect group (worker.recovery), never
+        both, so a crash is charged to exactly the jobs that ran."""
         started = time.time()
-        triage = self.settler.triage(rows)
-        triaged = time.time()
-        self._write(triage.settled)
+        triage = prepared.triage
+        assert triage is not None
+        rows = prepared.rows
         outputs: list[Any] = []
-        engine_s = write_s = 0.0
+        engine_s = 0.0
+        self.helper.start(lambda: self._behind_and_ahead(unwritten, prepared))
+        try:
+            if triage.runnable:
+                engine_started = time.time()
+                jobs = [r.job for r in triage.runnable if r.job is not None]
+                outputs = self._run_engine(jobs, prepared.encoded)
+                engine_s = time.time() - engine_started
+        finally:
+            ahead = self.helper.join()
         if triage.runnable:
-            engine_started = time.time()
-            outputs = self._run_engine([r.job for r in triage.runnable if r.job is not None])
-            engine_s = time.time() - engine_started
+            answered = Answered(triage, outputs, engine_s)
+            with self._lock:
+                self._unwritten = answered
+        write_s = 0.0
+        if ahead is None:  # nothing to write them behind: now
             write_started = time.time()
-            self._write(self.settler.results(triage, outputs, engine_s=engine_s))
+            self._write_unwritten()
             write_s = time.time() - write_started
         waits = [started - r.raw.enqueued_at for r in rows if r.raw.enqueued_at]
         facts = BatchFacts(
@@ -327,15 +499,16 @@ class BatchWorker:
             generated_tokens=outputs_tokens(outputs),
             wait_s=max(waits, default=0.0),
             engine_s=engine_s,
-            total_s=time.time() - started,
-            take_s=take_s,
-            triage_s=triaged - started,
+            total_s=time.time() - started + prepared.host_s,
+            take_s=prepared.host_s,
+            triage_s=0.0,
             write_s=write_s,
         )
         self.stats.record(facts, peak_memory_bytes=getattr(self.engine, "peak_memory_bytes", lambda: 0)())
         self.stats.count_engine(self.engine)
         if self.stats.batches % PUBLISH_EVERY_BATCHES == 0:
             self.stats.publish(self.redis, self.keys, self.name)
+        return ahead
 
     def _write(self, rows: Sequence[Row]) -> None:
         if not rows:
@@ -351,12 +524,14 @@ class BatchWorker:
             # The longest by characters stands for all (encoding each would cost ~0.3 ms a job).
             self.engine.expect(max((e.job for e in written.follow_ups), key=prompt_chars))
 
-    def _run_engine(self, jobs: list[Job]) -> list[Any]:
+    def _run_engine(self, jobs: list[Job], encoded: Any = None) -> list[Any]:
         """The one except boundary per batch: if the engine raises, each job is retried alone, so one bad
         job cannot sink its batch-mates (a job that crashes the whole process is handled by recovery)."""
         try:
             maybe_crash(jobs)
-            return self.engine.run(jobs, time_limit_s=self.settings.batch_time_limit_s)
+            if encoded is None:
+                return self.engine.run(jobs, time_limit_s=self.settings.batch_time_limit_s)
+            return self.engine.run(jobs, time_limit_s=self.settings.batch_time_limit_s, encoded=encoded)
         except Exception:
             log.exception("engine failed on a batch of %d; retrying each job alone", len(jobs))
             return [self._run_alone(job) for job in jobs]
@@ -376,8 +551,7 @@ class BatchWorker:
         # Right after a Redis outage every worker's heartbeat has lapsed: give live ones one TTL to beat
         # again before taking anything of theirs.
         others = time.time() - self.presence.redis_ok_since >= self.settings.worker_ttl_s
-        with self._lock:
-            in_flight = {i for ids in self._in_flight.values() for i in ids}
+        in_flight = {i for hand in self._in_hand_now() for i in hand.ids}
         self.recovery.run(in_flight=in_flight, others=others, batch_ttl_s=self.settings.result_ttl_s)
 
     def _anything_recoverable(self) -> bool:
@@ -387,3 +561,52 @@ class BatchWorker:
         self._maybe_recover(force=True)
         facts = self.bridge.queue_facts().values()
         return self.bridge.pending_started() > 0 or any(f.depth or f.suspect_groups for f in facts)
+
+
+def queue_states(
+    facts: Mapping[QueueRef, QueueFacts], capacity: Mapping[str, int], now: float
+) -> dict[QueueRef, QueueState]:
+    """The policy's view of the queues: depth (suspect groups counted), head wait, and a full take's rows."""
+    return {
+        ref: QueueState(
+            f.depth + f.suspect_groups,
+            (now - f.oldest_enqueued_at) * 1000 if (f.depth and f.oldest_enqueued_at) else 0.0,
+            take=capacity.get(ref.model, 0) if f.depth else 0,
+        )
+        for ref, f in facts.items()
+    }
+
+
+def with_ahead(facts: Mapping[QueueRef, QueueFacts], ahead: Prepared) -> dict[QueueRef, QueueFacts]:
+    """The queues' facts as they would be had the take made ahead not been taken: its rows still queued, its
+    oldest job at the head."""
+    out = dict(facts)
+    for ref in {r.ref for r in ahead.rows}:
+        rows = [r for r in ahead.rows if r.ref == ref]
+        f = facts[ref]
+        stamps = [t for t in (f.oldest_enqueued_at, *(r.raw.enqueued_at for r in rows)) if t]
+        out[ref] = replace(f, depth=f.depth + len(rows), oldest_enqueued_at=min(stamps, default=None))
+    return out
+
+
+def taken_ref(taken: Take) -> QueueRef:
+    """The queue a take was made for: its first row's (a take's tail rows of other models come after)."""
+    return taken.rows[0].ref if taken.rows else QueueRef("", BULK)
+
+
+def joined(first: Prepared, more: Prepared) -> Prepared:
+    """Two takes of one queue run as one batch (each row keeps its own take's execution id)."""
+    assert first.triage is not None and more.triage is not None
+    triage = Triage(
+        first.triage.settled + more.triage.settled,
+        first.triage.runnable + more.triage.runnable,
+        {**first.triage.flags, **more.triage.flags},
+    )
+    if first.encoded is None:
+        encoded = more.encoded
+    elif more.encoded is None:
+        encoded = first.encoded
+    else:
+        encoded = first.encoded.then(more.encoded)
+    take = Take(first.rows + more.rows, allowed=max(first.take.allowed, len(first.rows) + more.take.allowed))
+    return Prepared(take, first.ref, triage, encoded, first.host_s + more.host_s, ahead=first.ahead)

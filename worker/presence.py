@@ -9,16 +9,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis.exceptions
 from redis import Redis
 
 from shared.conn import redis_problem
 from shared.errors import RedisUnavailableError
-from shared.keys import Keys, QueueRef
+from shared.keys import Keys
 from worker.rqcompat import RQBridge
 from worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from worker.ahead import InHand
 
 log = logging.getLogger("kevlaya.worker")
 
@@ -34,7 +37,7 @@ class Presence:
         settings: WorkerSettings,
         *,
         stop: threading.Event,
-        in_flight: Callable[[], dict[QueueRef, list[str]]],
+        in_flight: Callable[[], list[InHand]],
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -106,8 +109,9 @@ class Presence:
                     rq_worker.register_birth()  # the key expired while Redis was away: announce ourselves again
                 rq_worker.heartbeat(self.settings.worker_ttl_s)
                 self.redis.zadd(self.keys.workers(), {self.bridge.worker_name: time.time()})
-                for ref, ids in self.in_flight().items():
-                    self.bridge.heartbeat(ref, ids, ttl_s=self.settings.job_heartbeat_ttl_s)
+                for hand in self.in_flight():
+                    ttl = self.settings.job_heartbeat_ttl_s
+                    self.bridge.heartbeat(hand.ref, hand.ids, ttl_s=ttl, exec_id=hand.exec_id or None)
             except redis.exceptions.RedisError as exc:
                 self.redis_ok_since = time.time()
                 log.warning("heartbeat failed: %s", exc)

@@ -51,6 +51,7 @@ class Row:
     job: Job | None = None
     result: Result | None = None
     lane: str = field(kw_only=True)  # the lane it was taken from: its started entry is in that queue's registry
+    exec_id: str | None = field(default=None, kw_only=True)  # its take's execution id (None: the bridge's last)
 
     @property
     def ref(self) -> QueueRef:
@@ -188,6 +189,17 @@ class Settler:
                 pipe.expire(self.keys.batch_running(batch), self.enqueue.ttl_s)
             pipe.execute(raise_on_error=False)
 
+    def unmark_running(self, rows: Sequence[Row]) -> None:
+        """Jobs given back to their queue before they ran (worker.ahead): out of their batch's running set."""
+        running: dict[str, list[str]] = {}
+        for row in rows:
+            if row.job is not None and row.job.batch:
+                running.setdefault(row.job.batch, []).append(row.raw.id)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for batch, ids in running.items():
+                pipe.srem(self.keys.batch_running(batch), *ids)
+            pipe.execute(raise_on_error=False)
+
     def _closed(self, row: Row, job: Job, error_type: str, message: str) -> Row:
         """A job of a cancelled or expired batch. A follow-up whose parent's answer exists ends the item with
         that answer (computed work is kept); anything else ends with `error_type`."""
@@ -303,15 +315,15 @@ class Settler:
                 log.warning("job %s: %r is not an item of batch %s", row.raw.id, result.custom_id, result.batch)
             elif not outcome and result.final:
                 duplicates += 1  # a second final answer was refused: counted, so tests and operators see it
-        by_queue: dict[QueueRef, list[tuple[str, str | None]]] = {}
+        by_take: dict[tuple[QueueRef, str | None], list[tuple[str, str | None]]] = {}
         for row in rows:
             result = row.result
             error = None if result is None or result.error is None else f"{result.error.type}: {result.error.message}"
-            by_queue.setdefault(row.ref, []).append((row.raw.id, error))
+            by_take.setdefault((row.ref, row.exec_id), []).append((row.raw.id, error))
         if duplicates:
             self.redis.incrby(self.keys.counter("duplicate_final_results"), duplicates)
-        for ref, done in by_queue.items():
-            self.bridge.finish(ref, done, ttl_s=ttl_s)
+        for (ref, exec_id), done in by_take.items():
+            self.bridge.finish(ref, done, ttl_s=ttl_s, exec_id=exec_id)
         return Written(created, duplicates)
 
 

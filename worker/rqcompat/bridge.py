@@ -128,28 +128,51 @@ class RQBridge(Registration, Reclaim):
         return out
 
     # ---- take ---------------------------------------------------------------------------------
-    def begin_batch(self) -> None:
-        """A new execution id for the next take. It names the worker and this process, so recovery can
-        tell a dead worker's jobs at once and keeps one take's jobs together."""
+    def begin_batch(self) -> str:
+        """A new execution id for the next take, returned (and the default of the calls below). It names the
+        worker and this process, so recovery can tell a dead worker's jobs at once and keeps one take's jobs
+        together."""
         self._seq += 1
         self.exec_id = f"{self.worker_name}.{self.incarnation}.{self._seq}"
+        return self.exec_id
 
-    def take(self, ref: QueueRef, n: int, *, ttl_s: float) -> list[str]:
+    def take(self, ref: QueueRef, n: int, *, ttl_s: float, exec_id: str | None = None) -> list[str]:
         """Atomically pop up to n job ids, register them as started by this worker, and leave the idle set if any
         came. Ids that are not ids (bad bytes) are quarantined and dropped from the registry."""
-        return self._take(ref, n, ttl_s=ttl_s, live_since=None).ids
+        return self._take(ref, n, ttl_s=ttl_s, live_since=None, exec_id=exec_id).ids
 
-    def take_share(self, ref: QueueRef, capacity: int, *, ttl_s: float, live_s: float) -> SharedTake:
+    def take_share(
+        self,
+        ref: QueueRef,
+        capacity: int,
+        *,
+        ttl_s: float,
+        live_s: float,
+        exec_id: str | None = None,
+        ahead: bool = False,
+    ) -> SharedTake:
         """As `take`, for this worker's share of the queue: worker.tail's rule over the queue's depth and the workers
         idle now (this one aside, each with a heartbeat within `live_s`), decided in the same script as the pop.
         A peer's take can then never fall between the look and the take: it has either shrunk the queue and left
-        the idle set, or not yet begun."""
-        return self._take(ref, capacity, ttl_s=ttl_s, live_since=time.time() - live_s)
+        the idle set, or not yet begun. `ahead`: a take made while another runs (worker.ahead), which takes
+        nothing while a live peer is idle."""
+        live_since = time.time() - live_s
+        return self._take(ref, capacity, ttl_s=ttl_s, live_since=live_since, exec_id=exec_id, ahead=ahead)
 
-    def _take(self, ref: QueueRef, n: int, *, ttl_s: float, live_since: float | None) -> SharedTake:
+    def _take(
+        self,
+        ref: QueueRef,
+        n: int,
+        *,
+        ttl_s: float,
+        live_since: float | None,
+        exec_id: str | None,
+        ahead: bool = False,
+    ) -> SharedTake:
         """The take script; `live_since` None shares with nobody (the script reads '' so)."""
         if n <= 0:
             return SharedTake([], n)
+        exec_id = exec_id or self.exec_id
         try:
             raw = self._take_script(
                 keys=[
@@ -162,20 +185,22 @@ class RQBridge(Registration, Reclaim):
                 args=[
                     n,
                     time.time() + ttl_s,
-                    self.exec_id,
+                    exec_id,
                     self.worker_name,
                     rq_now(),
                     "" if live_since is None else live_since,
+                    "1" if ahead else "",
                 ],
             )
         except redis.exceptions.ResponseError as exc:
             self._bad_take(ref, exc)
             return SharedTake([], n)
-        return SharedTake(self._screen(ref, raw[1:], where=self.queues[ref].key), int(raw[0]))
+        return SharedTake(self._screen(ref, raw[1:], where=self.queues[ref].key, exec_id=exec_id), int(raw[0]))
 
-    def take_group(self, ref: QueueRef, *, ttl_s: float) -> SuspectTake | None:
+    def take_group(self, ref: QueueRef, *, ttl_s: float, exec_id: str | None = None) -> SuspectTake | None:
         """Atomically pop one suspect group, register its jobs as started and leave the idle set; None when there is
         none."""
+        exec_id = exec_id or self.exec_id
         try:
             raw = self._take_group(
                 keys=[
@@ -184,7 +209,7 @@ class RQBridge(Registration, Reclaim):
                     _JOB_PREFIX,
                     self.keys.idle_workers(),
                 ],
-                args=[time.time() + ttl_s, self.exec_id, self.worker_name, rq_now()],
+                args=[time.time() + ttl_s, exec_id, self.worker_name, rq_now()],
             )
         except redis.exceptions.ResponseError as exc:
             self._bad_take(ref, exc, key=self.keys.suspects(ref.model, ref.lane))
@@ -197,7 +222,7 @@ class RQBridge(Registration, Reclaim):
         except (orjson.JSONDecodeError, AttributeError):
             self.quarantine.put(self.keys.suspects(ref.model, ref.lane), "suspect group is not a JSON record", record)
             dead = False
-        good = self._screen(ref, ids, where=self.keys.suspects(ref.model, ref.lane))
+        good = self._screen(ref, ids, where=self.keys.suspects(ref.model, ref.lane), exec_id=exec_id)
         return SuspectTake(self.load(good), dead=dead)
 
     def _bad_take(self, ref: QueueRef, exc: redis.exceptions.ResponseError, *, key: str | None = None) -> None:
@@ -208,13 +233,13 @@ class RQBridge(Registration, Reclaim):
         else:
             raise exc
 
-    def _screen(self, ref: QueueRef, raw_ids: Sequence[bytes], *, where: str) -> list[str]:
+    def _screen(self, ref: QueueRef, raw_ids: Sequence[bytes], *, where: str, exec_id: str) -> list[str]:
         good = []
         for raw in raw_ids:
             job_id = valid_id(raw)
             if job_id is None:
                 self.quarantine.put(where, "not a job id (bad bytes or characters)", raw)
-                self.redis.zrem(self.started[ref].key, raw + b":" + self.exec_id.encode())
+                self.redis.zrem(self.started[ref].key, raw + b":" + exec_id.encode())
             else:
                 good.append(job_id)
         return good
@@ -246,13 +271,42 @@ class RQBridge(Registration, Reclaim):
         return out
 
     # ---- heartbeat ----------------------------------------------------------------------------
-    def heartbeat(self, ref: QueueRef, ids: Iterable[str], *, ttl_s: float) -> None:
-        members = {f"{i}:{self.exec_id}": time.time() + ttl_s for i in ids}
+    def heartbeat(self, ref: QueueRef, ids: Iterable[str], *, ttl_s: float, exec_id: str | None = None) -> None:
+        members = {f"{i}:{exec_id or self.exec_id}": time.time() + ttl_s for i in ids}
         if members:
             self.redis.zadd(self.started[ref].key, members, xx=True)
 
+    # ---- takes in hand but not running (worker.ahead) -----------------------------------------
+    def mark_held(self, *, add: Sequence[str] = (), remove: Sequence[str] = (), ttl_s: int) -> None:
+        """Execution ids into and out of this worker's held set (`Keys.held`) in one round trip. A key of
+        another type is moved aside and the marks made again."""
+        if not add and not remove:
+            return
+        key = self.keys.held(self.worker_name)
+        for _ in range(2):
+            with self.redis.pipeline(transaction=False) as pipe:
+                if add:
+                    pipe.sadd(key, *add)
+                if remove:
+                    pipe.srem(key, *remove)
+                pipe.expire(key, ttl_s)
+                replies = pipe.execute(raise_on_error=False)
+            if not any(isinstance(r, redis.exceptions.ResponseError) for r in replies):
+                return
+            self.quarantine.move_key(key, "held set is not a set")
+
+    def give_back(self, ref: QueueRef, ids: Sequence[str], *, exec_id: str) -> None:
+        """Jobs this worker took but will not run (a take made ahead that the next step does not want): back to
+        the front of their queue in their order, no crash or attempt counted."""
+        members = [(f"{job_id}:{exec_id}".encode(), job_id) for job_id in reversed(ids)]
+        args = [x for member, job_id in members for x in (member, job_id)]
+        if args:
+            self._script_on_queue(ref, self._requeue, [self.started[ref].key, self.queues[ref].key, _JOB_PREFIX], args)
+
     # ---- finalise -----------------------------------------------------------------------------
-    def finish(self, ref: QueueRef, done: Sequence[tuple[str, str | None]], *, ttl_s: int) -> None:
+    def finish(
+        self, ref: QueueRef, done: Sequence[tuple[str, str | None]], *, ttl_s: int, exec_id: str | None = None
+    ) -> None:
         """Move each (job_id, error message or None) out of started into finished/failed, in one pipeline.
         A hostile job key of the wrong type fails only its own commands (raise_on_error=False)."""
         if not done:
@@ -261,7 +315,8 @@ class RQBridge(Registration, Reclaim):
         with self.redis.pipeline(transaction=False) as pipe:
             # The registries are the worker's own keys (a producer's ACL cannot write them): one command each
             # for the whole take, not one per job.
-            pipe.zrem(self.started[ref].key, *[f"{job_id}:{self.exec_id}" for job_id, _ in done])
+            exec_id = exec_id or self.exec_id
+            pipe.zrem(self.started[ref].key, *[f"{job_id}:{exec_id}" for job_id, _ in done])
             finished = {job_id: now_s + ttl_s for job_id, error in done if error is None}
             failed = {job_id: now_s + ttl_s for job_id, error in done if error is not None}
             for registry, members in ((self.finished[ref], finished), (self.failed[ref], failed)):

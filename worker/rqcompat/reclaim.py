@@ -3,6 +3,7 @@ atomic script per dead take), our own lost entries, and ids stuck in RQ's interm
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,12 +26,14 @@ _JOB_PREFIX = RQJob.redis_job_namespace_prefix
 
 @dataclass(frozen=True)
 class Abandoned:
-    """A started-registry entry nobody works on any more. `crashed`: its worker died (vs. lost track)."""
+    """A started-registry entry nobody works on any more. `crashed`: its worker died while running it (vs. lost
+    track of it, or died while it was only held: `held_by` names that dead worker, whose held set lists it)."""
 
     member: bytes
     job_id: str
     exec_id: str
     crashed: bool
+    held_by: str | None = None
 
 
 class Reclaim:
@@ -63,6 +66,7 @@ class Reclaim:
             return []
         now_s = time.time()
         out, alive = [], {}
+        held: dict[str, set[str]] = {}
         for member, score in entries:
             parsed = _parse_member(member)
             if parsed is None:
@@ -73,14 +77,27 @@ class Reclaim:
             if owner == self.worker_name and incarnation == self.incarnation:
                 if score < now_s and job_id not in in_flight:
                     out.append(Abandoned(member, job_id, exec_id, crashed=False))
-            elif owner == self.worker_name:
-                out.append(Abandoned(member, job_id, exec_id, crashed=True))
-            elif others:
-                if owner not in alive:
+            elif owner == self.worker_name or others:
+                if owner != self.worker_name and owner not in alive:
                     alive[owner] = self.worker_alive(owner)
-                if not alive[owner]:
-                    out.append(Abandoned(member, job_id, exec_id, crashed=True))
+                if owner == self.worker_name or not alive[owner]:
+                    if owner not in held:
+                        held[owner] = self.held_by(owner)
+                    if exec_id in held[owner]:
+                        out.append(Abandoned(member, job_id, exec_id, crashed=False, held_by=owner))
+                    else:
+                        out.append(Abandoned(member, job_id, exec_id, crashed=True))
         return out
+
+    def held_by(self, owner: str) -> set[str]:
+        """The execution ids a worker marked held (worker.ahead): its takes not running on its GPU."""
+        key = self.keys.held(owner)
+        try:
+            raw = self.redis.smembers(key)
+        except redis.exceptions.ResponseError:
+            self.quarantine.move_key(key, "held set is not a set")
+            return set()
+        return {m.decode("utf-8", "replace") for m in raw}
 
     def crash_counts(self, ids: Sequence[str]) -> dict[str, int]:
         with self.redis.pipeline(transaction=False) as pipe:
@@ -95,6 +112,11 @@ class Reclaim:
         args = [x for e in entries for x in (e.member, e.job_id)]
         if args:
             self._script_on_queue(ref, self._requeue, [self.started[ref].key, self.queues[ref].key, _JOB_PREFIX], args)
+        # A dead worker's held takes are back in their queue: their marks go too.
+        for owner in {e.held_by for e in entries if e.held_by is not None}:
+            marks = {e.exec_id for e in entries if e.held_by == owner}
+            with contextlib.suppress(redis.exceptions.ResponseError):
+                self.redis.srem(self.keys.held(owner), *marks)
 
     def _script_on_queue(self, ref: QueueRef, script: Any, keys: list[str], args: list[Any]) -> Any:
         """Run a script that pushes onto the model's queue; once more after moving a wrong-typed queue aside."""

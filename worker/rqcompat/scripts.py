@@ -51,7 +51,8 @@ end
 # started registry and leaving the idle set are one step. Decided before the script, a peer taking in between
 # left a stale depth and still counted as idle: the take came out a quarter, not a half. Returns {limit, id...}.
 # KEYS: queue list, started registry, job key prefix, live workers, idle workers.
-# ARGV: capacity, score (expiry), exec id, worker, now string, live since ('': share with nobody).
+# ARGV: capacity, score (expiry), exec id, worker, now string, live since ('': share with nobody), '1' for a take
+# ahead (worker.ahead: nothing while a live peer is idle, who would run those jobs now).
 _TAKE_LUA = (
     _MARK_STARTED_LUA
     + _TAIL_TAKE_LUA
@@ -60,6 +61,7 @@ _TAKE_LUA = (
 if not registry_ok(KEYS[2]) then return redis.error_reply('KEVLAYA_BAD_REGISTRY') end
 local peers = 0
 if ARGV[6] ~= '' then peers = idle_peers(KEYS[4], KEYS[5], ARGV[4], tonumber(ARGV[6])) end
+if ARGV[7] == '1' and peers > 0 then return {0} end
 local limit = tail_take(tonumber(ARGV[1]), redis.call('LLEN', KEYS[1]), peers)
 local out = {limit}
 for i = 1, limit do

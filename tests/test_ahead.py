@@ -1,0 +1,160 @@
+"""The take ahead (worker.ahead): the next take is taken while one runs, and handed back or recovered without a
+crash counted against its jobs (fake engine, in-process workers; a crash is a SimulatedCrash leaving `work()`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from redis import Redis
+from rq.job import Job as RQJob
+
+from producer.client import Client
+from shared.keys import Keys, QueueRef, job_id
+from tests.fakes import FakeEngine, SimulatedCrash
+from tests.test_supervisor import _presence, _queue
+from tests.worker_helpers import assert_each_item_answered_once
+from worker.loop import BatchWorker
+from worker.rqcompat import RQBridge
+from worker.rqcompat.decode import CRASHES_FIELD
+from worker.settings import WorkerSettings
+
+LAYA = QueueRef("laya")
+
+
+def items(n: int, start: int = 0) -> list[dict]:
+    return [{"custom_id": f"j{i}", "model": "laya", "prompt": f"case {i}"} for i in range(start, start + n)]
+
+
+def held_ids(redis: Redis, worker: str = "w1") -> set[bytes]:
+    return redis.smembers(Keys().held(worker))
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+class FirstRunWaits(FakeEngine):
+    """Its first run waits until the worker holds a take made ahead, then does `then` (and answers, unless `then`
+    raises)."""
+
+    def __init__(self, redis: Redis, then: Callable[[], None] = lambda: None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.redis = redis
+        self.then = then
+        self.saw_held: bool | None = None
+
+    def run(self, jobs, *, time_limit_s=None):
+        if self.saw_held is None:
+            self.saw_held = wait_for(lambda: bool(held_ids(self.redis)))
+            self.then()
+        return super().run(jobs, time_limit_s=time_limit_s)
+
+
+def burst(redis: Redis, engine: FakeEngine) -> BatchWorker:
+    worker = BatchWorker(redis, engine, engine.config, WorkerSettings(burst=True, name="w1", idle_poll_s=0.02))
+    worker.work()
+    return worker
+
+
+def crashes_of(redis: Redis, batch: str, ids: list[str]) -> list[int]:
+    return [int(redis.hget(RQJob.key_for(job_id(batch, i)), CRASHES_FIELD) or 0) for i in ids]
+
+
+def test_the_next_take_is_taken_while_one_runs_and_each_job_runs_once(client: Client, redis: Redis) -> None:
+    handle = client.submit_batch(items(24), escalate=False)
+    engine = FirstRunWaits(redis, rows=8)
+    worker = burst(redis, engine)
+    assert engine.saw_held
+    assert engine.calls == [[f"j{i}" for i in range(k, k + 8)] for k in (0, 8, 16)]
+    assert_each_item_answered_once(client, redis, handle.id, 24)
+    assert held_ids(redis) == set()
+    assert redis.zcard(client.queue("laya").started_job_registry.key) == 0
+    assert worker.stats.crashes_survived == 0
+
+
+def test_a_crash_counts_against_the_take_that_ran_not_the_one_taken_ahead(client: Client, redis: Redis) -> None:
+    handle = client.submit_batch(items(16), escalate=False)
+
+    def crash() -> None:
+        raise SimulatedCrash("killed mid-batch")
+
+    try:
+        burst(redis, FirstRunWaits(redis, crash, rows=8))
+    except SimulatedCrash:
+        pass
+    else:
+        raise AssertionError("the first take should have crashed the worker")
+    assert len(held_ids(redis)) == 1  # the take made ahead, marked held when the worker died
+    engine = FakeEngine(rows=8)
+    worker = burst(redis, engine)
+    assert worker.stats.crashes_survived == 1
+    ran = [f"j{i}" for i in range(8)]
+    ahead = [f"j{i}" for i in range(8, 16)]
+    assert crashes_of(redis, handle.id, ran) == [1] * 8
+    assert crashes_of(redis, handle.id, ahead) == [0] * 8
+    # The crashed take comes back in halves (suspect groups), the held one as one take of its queue.
+    calls = sorted(engine.calls, key=len)
+    assert [len(c) for c in calls] == [4, 4, 8]
+    assert set(calls[0] + calls[1]) == set(ran)
+    assert set(calls[2]) == set(ahead)
+    assert_each_item_answered_once(client, redis, handle.id, 16)
+    assert held_ids(redis) == set()
+
+
+def test_a_take_ahead_the_next_step_does_not_want_goes_back_in_order(client: Client, redis: Redis) -> None:
+    """Interactive work arriving while a bulk take runs goes first: the bulk take made ahead is handed back to the
+    front of its queue, in order, no crash or attempt counted, and no longer counted as running."""
+    handle = client.submit_batch(items(16), escalate=False)
+    engine = FirstRunWaits(redis, lambda: client.submit({"custom_id": "now", "model": "laya", "prompt": "hi"}), rows=8)
+    burst(redis, engine)
+    assert engine.calls[0] == [f"j{i}" for i in range(8)]
+    assert engine.calls[1] == ["now"]
+    assert engine.calls[2] == [f"j{i}" for i in range(8, 16)]
+    assert crashes_of(redis, handle.id, [f"j{i}" for i in range(8, 16)]) == [0] * 8
+    assert_each_item_answered_once(client, redis, handle.id, 16)
+    assert client.status(handle.id).counts.running == 0
+    assert held_ids(redis) == set()
+
+
+def test_a_take_ahead_takes_nothing_while_a_live_peer_is_idle(redis: Redis) -> None:
+    bridge = RQBridge(redis, Keys(), ["laya"], "me")
+    _presence(redis, idle=["peer"], live=["me", "peer"])
+    _queue(redis, bridge, 20)
+    assert bridge.take_share(LAYA, 8, ttl_s=30, live_s=60, ahead=True).ids == []
+    assert len(bridge.take_share(LAYA, 8, ttl_s=30, live_s=60).ids) == 8  # a take of its own turn shares
+    _presence(redis, idle=[], live=["me", "peer"])
+    assert len(bridge.take_share(LAYA, 8, ttl_s=30, live_s=60, ahead=True).ids) == 8
+
+
+def test_a_dead_workers_held_take_is_requeued_not_charged(redis: Redis) -> None:
+    """Recovery, at the bridge: of a dead incarnation's started entries, those of a held take go back to the queue
+    (as lost, not crashed) and its held mark is cleared; the others are a crash's."""
+    dead = RQBridge(redis, Keys(), ["laya"], "w1")
+    _queue(redis, dead, 4)
+    ran = dead.begin_batch()
+    assert dead.take(LAYA, 2, ttl_s=-1, exec_id=ran) == ["j0", "j1"]
+    ahead = dead.begin_batch()
+    dead.mark_held(add=[ahead], ttl_s=60)
+    assert dead.take(LAYA, 2, ttl_s=-1, exec_id=ahead) == ["j2", "j3"]
+    alive = RQBridge(redis, Keys(), ["laya"], "w1")  # the same name, a new process
+    found = {e.job_id: e for e in alive.abandoned(LAYA, in_flight=set(), others=False)}
+    assert {i: e.crashed for i, e in found.items()} == {"j0": True, "j1": True, "j2": False, "j3": False}
+    alive.requeue_lost(LAYA, [e for e in found.values() if not e.crashed])
+    assert sorted(redis.lrange(alive.queues[LAYA].key, 0, -1)) == [b"j2", b"j3"]
+    assert held_ids(redis) == set()
+
+
+def test_a_held_set_of_another_type_is_moved_aside(redis: Redis) -> None:
+    bridge = RQBridge(redis, Keys(), ["laya"], "w1")
+    redis.set(Keys().held("w1"), "not a set")
+    bridge.mark_held(add=["x"], ttl_s=60)
+    assert held_ids(redis) == {b"x"}
+    redis.set(Keys().held("w1"), "not a set")
+    assert bridge.held_by("w1") == set()
