@@ -219,13 +219,7 @@ class BatchWorker:
         if ahead is not None:  # the policy sees the queue as it would be without the take made ahead
             facts = with_ahead(facts, ahead)
         states = self._states(facts)
-        ref = choose_queue(
-            self.current_model,
-            states,
-            max_wait_ms=self.settings.max_wait_ms,
-            bulk_due=self.bulk_turn.due,
-            escalates_to=self.escalates_to,
-        )
+        ref = self._choose(self.current_model, states)
         if ahead is not None and (ref != ahead.ref or (facts[ref].suspect_groups and self.taker.suspect_turn)):
             self._ahead = ahead
             self._give_back_ahead()
@@ -265,6 +259,16 @@ class BatchWorker:
             took = TakeTime(rows=len(taken.rows), seconds=time.monotonic() - started)
             self.pace.record(ref.model, took, allowed=taken.allowed, paced=paced)
         return True
+
+    def _choose(self, current: str | None, states: dict[QueueRef, QueueState]) -> QueueRef | None:
+        """The policy's next queue (worker.lanes), `current` the model served last."""
+        return choose_queue(
+            current,
+            states,
+            max_wait_ms=self.settings.max_wait_ms,
+            bulk_due=self.bulk_turn.due,
+            escalates_to=self.escalates_to,
+        )
 
     def _states(self, facts: Mapping[QueueRef, QueueFacts]) -> dict[QueueRef, QueueState]:
         now = time.time()
@@ -353,14 +357,7 @@ class BatchWorker:
             if boundary.wait(AHEAD_POLL_S):
                 return None
         states = queue_states(facts, {**self._capacity, ref.model: current.take.allowed}, time.time())
-        policy = choose_queue(
-            ref.model,
-            states,
-            max_wait_ms=self.settings.max_wait_ms,
-            bulk_due=self.bulk_turn.due,
-            escalates_to=self.escalates_to,
-        )
-        if policy != ref:
+        if self._choose(ref.model, states) != ref:
             return None
         exec_id = self.bridge.begin_batch()
         self.bridge.mark_held(add=[exec_id], ttl_s=self.settings.result_ttl_s)
