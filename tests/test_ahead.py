@@ -123,6 +123,19 @@ def test_a_take_ahead_the_next_step_does_not_want_goes_back_in_order(client: Cli
     assert held_ids(redis) == set()
 
 
+def test_a_take_ahead_is_sized_as_the_step_after_its_take_sizes_it(client: Client, redis: Redis) -> None:
+    """A take made ahead was sized before the take beside it ran; after it the engine may hold fewer rows (a KV
+    pool kept): the take ahead is cut to that, the rest back at the front of the queue in order."""
+    handle = client.submit_batch(items(16), escalate=False)
+    engine = FirstRunWaits(redis, rows=8)
+    engine.then = lambda: setattr(engine, "rows", 4)
+    burst(redis, engine)
+    assert engine.calls == [[f"j{i}" for i in range(k, k + n)] for k, n in ((0, 8), (8, 4), (12, 4))]
+    assert crashes_of(redis, handle.id, [f"j{i}" for i in range(16)]) == [0] * 16
+    assert_each_item_answered_once(client, redis, handle.id, 16)
+    assert client.status(handle.id).counts.running == 0
+
+
 def test_a_take_ahead_takes_nothing_while_a_live_peer_is_idle(redis: Redis) -> None:
     bridge = RQBridge(redis, Keys(), ["laya"], "me")
     _presence(redis, idle=["peer"], live=["me", "peer"])
@@ -158,3 +171,19 @@ def test_a_held_set_of_another_type_is_moved_aside(redis: Redis) -> None:
     assert held_ids(redis) == {b"x"}
     redis.set(Keys().held("w1"), "not a set")
     assert bridge.held_by("w1") == set()
+
+
+def test_encodings_join_and_cut_as_the_take_does() -> None:
+    from shared.errors import JobFailure
+    from shared.job import Job
+    from worker.engine import Encoded
+    from worker.rows import Item
+
+    jobs = [Job.from_dict({"custom_id": f"c{i}", "model": "laya", "prompt": "p"}) for i in range(3)]
+    first = Encoded((jobs[0],), (Item(0, jobs[0], [1], 4, None),), 0.5)
+    more = Encoded((jobs[1], jobs[2]), (JobFailure("internal", "x"), Item(1, jobs[2], [2], 4, None)), 0.25)
+    both = first.then(more)
+    assert both.of(jobs) and not both.of(jobs[:2])
+    assert [getattr(i, "index", None) for i in both.items] == [0, None, 2]
+    assert both.seconds == 0.75
+    assert both.first(2).of(jobs[:2])

@@ -63,6 +63,10 @@ class Encoded:
         """Whether these are the jobs encoded, in their order (the same objects)."""
         return len(jobs) == len(self.jobs) and all(a is b for a, b in zip(jobs, self.jobs, strict=True))
 
+    def first(self, n: int) -> Encoded:
+        """The first `n` jobs' encodings only."""
+        return Encoded(self.jobs[:n], self.items[:n], self.seconds)
+
     def then(self, more: Encoded) -> Encoded:
         """These jobs followed by `more`'s, as one take's (`more`'s rows indexed after these)."""
         shift = len(self.jobs)

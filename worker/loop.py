@@ -240,7 +240,7 @@ class BatchWorker:
         paced = self._pacing(ref, states)
         if ahead is not None:
             queued = facts[ref].depth - sum(1 for r in ahead.rows if r.ref == ref)
-            prepared = self._topped_up(ahead, states, queued=queued)
+            prepared = self._fitted(ahead, states, queued=queued)
         else:
             prepared = self._prepare(
                 self._take(ref, states, suspects=facts[ref].suspect_groups, queued=facts[ref].depth)
@@ -326,17 +326,35 @@ class BatchWorker:
         host_s = 0.0 if ahead else time.monotonic() - started
         return Prepared(taken, taken_ref(taken), triage, encoded, host_s, ahead=ahead)
 
-    def _topped_up(self, ahead: Prepared, states: dict[QueueRef, QueueState], *, queued: int) -> Prepared:
-        """The take made ahead, with more of its queue where it holds fewer rows than a take now would (it was
-        made while the queue was still filling)."""
+    def _fitted(self, ahead: Prepared, states: dict[QueueRef, QueueState], *, queued: int) -> Prepared:
+        """The take made ahead, sized as a take made now would be: it was sized before the take it ran beside
+        (whose KV pool and graphs may leave room for fewer rows now: the rest go back to the front of their
+        queue), and made while the queue may still have been filling (topped up from it)."""
+        assert ahead.triage is not None
         held = sum(1 for r in ahead.rows if r.ref == ahead.ref)
-        room = self._take_size(ahead.ref, states, queued=queued + held) - len(ahead.rows)
-        if room <= 0 or queued <= 0 or ahead.take.dead:
+        size = self._take_size(ahead.ref, states, queued=queued + held)
+        runnable = ahead.triage.runnable
+        if len(runnable) > size:
+            return self._trimmed(ahead, size)
+        room = size - len(runnable)
+        if room <= 0 or queued <= 0:
             return ahead
         more = self._prepare(self.taker.take(ahead.ref, states, capacity=room, suspects=0, queued=queued))
         if not more.rows:
             return ahead
         return joined(ahead, more)
+
+    def _trimmed(self, ahead: Prepared, size: int) -> Prepared:
+        """The take made ahead cut to its first `size` runnable rows; the rest back to the front of their queue."""
+        assert ahead.triage is not None
+        runnable, back = ahead.triage.runnable[:size], ahead.triage.runnable[size:]
+        for hand in in_hand(back):
+            self.bridge.give_back(hand.ref, list(hand.ids), exec_id=hand.exec_id)
+        self.settler.unmark_running(back)
+        triage = Triage(ahead.triage.settled, runnable, ahead.triage.flags)
+        take = replace(ahead.take, rows=[*ahead.triage.settled, *runnable])
+        encoded = None if ahead.encoded is None else ahead.encoded.first(len(runnable))
+        return replace(ahead, take=take, triage=triage, encoded=encoded)
 
     def _take_ahead(self, current: Prepared) -> Prepared | None:
         """On the helper thread, while `current` runs: the next take of its queue, if the loop's next step will
