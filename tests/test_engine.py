@@ -283,3 +283,24 @@ def test_the_engines_resident_objects_are_out_of_the_collectors_sight(engine: En
     import gc
 
     assert gc.get_freeze_count() > 0
+
+
+def test_prepared_encodings_and_the_gpu_wait_signal(engine: Engine) -> None:
+    """A take encoded ahead (`prepare`) answers as one encoded in `run`; `on_gpu_wait` is called inside the run --
+    on the static loop once a batch's prefill is queued, before any of its decode steps -- and on return."""
+    batch = jobs("laya", 3)
+    steps_seen: list[float] = []
+    decoders = list(engine.decoders.values())
+
+    def waiting() -> None:
+        steps_seen.append(sum(d.phase_s["decode_steps"] for d in decoders))
+
+    before = sum(d.phase_s["decode_steps"] for d in decoders)
+    plain = engine.run(batch)
+    after_plain = sum(d.phase_s["decode_steps"] for d in decoders)
+    prepared = engine.run(batch, encoded=engine.prepare(batch), on_gpu_wait=waiting)
+    assert [o.text for o in prepared] == [o.text for o in plain]
+    assert len(steps_seen) >= 1
+    if decoders:  # the static loop: the first signal came before this run's first decode step
+        assert steps_seen[0] == after_plain > before
+    assert all(d.on_wait is not waiting for d in decoders)  # the engine's next caller is not signalled

@@ -14,7 +14,7 @@ import gc
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -49,6 +49,10 @@ TYPICAL_INPUT_TOKENS = 256  # sizes the worker's take; real lengths size the eng
 # memory beside the paced takes' graphs.
 GRAPH_IDLE_S = 30.0
 GRAPH_DROP_ROWS = 16
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -321,13 +325,34 @@ class Engine:
         return Encoded(tuple(jobs), items, time.perf_counter() - started)
 
     def run(
-        self, jobs: Sequence[Job], *, time_limit_s: float | None = None, encoded: Encoded | None = None
+        self,
+        jobs: Sequence[Job],
+        *,
+        time_limit_s: float | None = None,
+        encoded: Encoded | None = None,
+        on_gpu_wait: Callable[[], None] | None = None,
     ) -> list[RowOutput]:
         """Answer every job, index-aligned. Choice jobs are scored, the others generated.
 
         `time_limit_s` bounds the whole call: generation stops at the deadline and the rows it cut short,
         like the sub-batches not started by then, fail with `timeout`; finished rows keep their answers.
-        `encoded`: `prepare`'s work for these very jobs, done already."""
+        `encoded`: `prepare`'s work for these very jobs, done already. `on_gpu_wait`: called (at least once,
+        at the latest on return) when this thread is about to wait for the GPU a while -- a generation batch's
+        prefill queued, a scoring batch begun (its launches run ahead of the GPU) -- so another thread's Python
+        then costs the GPU nothing (worker.ahead)."""
+        waits = on_gpu_wait or _nothing
+        for decoder in self.decoders.values():
+            decoder.on_wait = waits
+        try:
+            return self._run(jobs, time_limit_s=time_limit_s, encoded=encoded, waits=waits)
+        finally:
+            for decoder in self.decoders.values():
+                decoder.on_wait = _nothing
+            waits()
+
+    def _run(
+        self, jobs: Sequence[Job], *, time_limit_s: float | None, encoded: Encoded | None, waits: Callable[[], None]
+    ) -> list[RowOutput]:
         self._deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
         self.refresh_memory()
         if encoded is None or not encoded.of(jobs):
@@ -357,6 +382,9 @@ class Engine:
                 if self._past_deadline():
                     results = [RowOutput.failed(TIMEOUT, "the batch's time limit passed before it ran") for _ in chunk]
                 else:
+                    if scoring:
+                        # Scoring launches run ahead of the GPU (they block on its full queue, not on a result).
+                        waits()
                     self.memory.take_started()
                     results = self.guard(fn, chunk)
                     self._log_take(chunk, scoring)

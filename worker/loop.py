@@ -13,7 +13,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
@@ -54,7 +54,14 @@ class EngineLike(Protocol):
     """What the worker needs from an engine: answers, index-aligned; how many rows to take; and a hint of
     the longest job about to be queued (so the next take of its model is sized for it)."""
 
-    def run(self, jobs: Sequence[Job], *, time_limit_s: float | None = None, encoded: Any = None) -> list[Any]: ...
+    def run(
+        self,
+        jobs: Sequence[Job],
+        *,
+        time_limit_s: float | None = None,
+        encoded: Any = None,
+        on_gpu_wait: Callable[[], None] | None = None,
+    ) -> list[Any]: ...
     def prepare(self, jobs: Sequence[Job]) -> Any: ...  # host work for `run`'s `encoded` (None: nothing)
     def capacity(self, model: str) -> int: ...
     def expect(self, job: Job) -> bool | None: ...
@@ -418,7 +425,9 @@ class BatchWorker:
             self.bridge.mark_held(remove=exec_ids(answered.rows), ttl_s=self.settings.result_ttl_s)
 
     def _behind_and_ahead(self, unwritten: Answered | None, current: Prepared) -> Prepared | None:
-        """The helper's work while `current` runs: the take before it written, the next one taken."""
+        """The helper's work while `current` runs (once the loop's thread waits for the GPU): the take before it
+        written, the next one taken."""
+        self.helper.go.wait()
         if unwritten is not None:
             self._write_answered(unwritten, held=True)
         return self._take_ahead(current)
@@ -544,9 +553,11 @@ class BatchWorker:
         job cannot sink its batch-mates (a job that crashes the whole process is handled by recovery)."""
         try:
             maybe_crash(jobs)
-            if encoded is None:
-                return self.engine.run(jobs, time_limit_s=self.settings.batch_time_limit_s)
-            return self.engine.run(jobs, time_limit_s=self.settings.batch_time_limit_s, encoded=encoded)
+            limit_s = self.settings.batch_time_limit_s
+            if encoded is None:  # an engine that prepares nothing: no telling when it waits for a GPU
+                self.helper.release()
+                return self.engine.run(jobs, time_limit_s=limit_s)
+            return self.engine.run(jobs, time_limit_s=limit_s, encoded=encoded, on_gpu_wait=self.helper.release)
         except Exception:
             log.exception("engine failed on a batch of %d; retrying each job alone", len(jobs))
             return [self._run_alone(job) for job in jobs]

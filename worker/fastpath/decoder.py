@@ -72,6 +72,10 @@ ARCHITECTURES = ("qwen2", "llama", "mistral")
 MIN_SAMPLER_SLOTS = 8
 
 
+def _nothing() -> None:
+    pass
+
+
 def sampler_slots(sampled: int) -> int:
     """Sampler slots for a batch with this many sampled rows (0 for none): at least `MIN_SAMPLER_SLOTS`, bucketed
     like rows above that, so a few graphs serve every mix."""
@@ -185,6 +189,10 @@ class StaticDecoder:
         self.pool = KVPool(len(s.layers), s.kv_heads, s.head_dim, s.dtype, device)
         self.graphs = GraphCache(device, self.use_graphs)
         self.phase_s: Counter[str] = Counter()  # seconds per phase of `decode` (and steps), for benchmarks
+        # Called when this thread is about to wait for the GPU for a while (a batch's prefill all queued, its
+        # decode steps ahead): the worker's helper thread runs its Python then, not while this thread launches
+        # prefill's kernels one by one (worker.ahead). Set by the engine for each call.
+        self.on_wait: Callable[[], None] = _nothing
 
     # ---- what the engine and the benchmarks read ---------------------------------------------
     @property
@@ -334,6 +342,7 @@ class StaticDecoder:
         prefill_at = time.perf_counter()
         first = self.prefill.run(state.kv, rows, width=width, out_rows=state.rows, pad_id=pad_id, select=select)
         choose_tokens(state, first)
+        self.on_wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # one wait per batch, so the phase times below are the GPU's
         decode_at = time.perf_counter()
