@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import TimeoutError as RedisTimeout
 from rq.job import Job as RQJob
 
 from producer.client import Client
@@ -187,3 +188,135 @@ def test_encodings_join_and_cut_as_the_take_does() -> None:
     assert [getattr(i, "index", None) for i in both.items] == [0, None, 2]
     assert both.seconds == 0.75
     assert both.first(2).of(jobs[:2])
+
+
+def test_a_crash_in_a_take_made_ahead_is_charged_to_it_once_it_runs(client: Client, redis: Redis) -> None:
+    """Held only until it runs: a poison job in a take made ahead kills the worker as that take runs, and the crash
+    is that take's (not the one before it)."""
+    handle = client.submit_batch(
+        [{"custom_id": f"j{i}", "model": "laya", "prompt": "POISON" if i == 10 else f"case {i}"} for i in range(16)],
+        escalate=False,
+    )
+    engine = FirstRunWaits(redis, rows=8)
+    try:
+        burst(redis, engine)
+    except SimulatedCrash:
+        pass
+    else:
+        raise AssertionError("the poison job should have crashed the worker")
+    assert engine.calls[1] == [f"j{i}" for i in range(8, 16)]
+    found = RQBridge(redis, Keys(), ["laya"], "w1").abandoned(LAYA, in_flight=set(), others=False)
+    assert {e.job_id for e in found} == {job_id(handle.id, f"j{i}") for i in range(8, 16)}
+    assert all(e.crashed for e in found)
+
+
+def test_a_crash_between_takes_does_not_charge_the_answered_take(client: Client, redis: Redis) -> None:
+    """Answered, waiting to be written behind the take made ahead: the worker dies in the next step, before that
+    take runs. Nothing was on the GPU: no crash is counted; the answers died with the process, so those jobs run
+    again, whole takes of their queue (not suspect halves)."""
+    handle = client.submit_batch(items(16), escalate=False)
+    engine = FirstRunWaits(redis, rows=8)
+    worker = BatchWorker(redis, engine, engine.config, WorkerSettings(burst=True, name="w1", idle_poll_s=0.02))
+    real = worker.bridge.queue_facts
+    looks = 0
+
+    def facts(*, move_aside: bool = True) -> Any:
+        nonlocal looks
+        if move_aside:  # the loop's own look (the helper's passes move_aside=False)
+            looks += 1
+            if looks == 2:
+                raise SimulatedCrash("kill -9 between takes")
+        return real(move_aside=move_aside)
+
+    worker.bridge.queue_facts = facts  # type: ignore[method-assign]
+    try:
+        worker.work()
+    except SimulatedCrash:
+        pass
+    else:
+        raise AssertionError("the worker should have died between its takes")
+    assert engine.calls == [[f"j{i}" for i in range(8)]]
+    again = FakeEngine(rows=8)
+    assert burst(redis, again).stats.crashes_survived == 0
+    assert crashes_of(redis, handle.id, [f"j{i}" for i in range(16)]) == [0] * 16
+    assert_each_item_answered_once(client, redis, handle.id, 16)
+    assert sorted(len(call) for call in again.calls) == [8, 8]
+
+
+class PrepareFails(FakeEngine):
+    """Encoding ahead raises for a take holding a job marked BADENC (the engine's `run` encodes it then)."""
+
+    def prepare(self, jobs: Any) -> Any:
+        if any("BADENC" in (j.prompt or "") for j in jobs):
+            raise ValueError("the tokenizer choked")
+        return None
+
+
+def test_a_take_that_cannot_be_encoded_ahead_runs_as_it_would_have(client: Client, redis: Redis) -> None:
+    jobs = [{"custom_id": f"j{i}", "model": "laya", "prompt": "BADENC" if i == 3 else f"case {i}"} for i in range(16)]
+    handle = client.submit_batch(jobs, escalate=False)
+    burst(redis, PrepareFails(rows=8))
+    assert_each_item_answered_once(client, redis, handle.id, 16)
+
+
+class PrepareDies(FakeEngine):
+    def prepare(self, jobs: Any) -> Any:
+        if any("DIES" in (j.prompt or "") for j in jobs):
+            raise SimulatedCrash("a native crash while encoding")
+        return None
+
+
+def test_a_crash_while_a_take_ahead_is_encoded_is_charged_to_it_too(client: Client, redis: Redis) -> None:
+    """Its jobs are held only once triaged and encoded: a job that crashes the host code is charged (and so
+    bisected and dead-lettered), never passed over while the takes beside it are charged."""
+    jobs = [{"custom_id": f"j{i}", "model": "laya", "prompt": "DIES" if i == 10 else f"case {i}"} for i in range(16)]
+    handle = client.submit_batch(jobs, escalate=False)
+    try:
+        burst(redis, PrepareDies(rows=8))
+    except SimulatedCrash:
+        pass
+    else:
+        raise AssertionError("encoding j10 should have crashed the worker")
+    burst(redis, FakeEngine(rows=8))
+    assert crashes_of(redis, handle.id, [f"j{i}" for i in range(8, 16)]) == [1] * 8
+
+
+def test_redis_failing_under_the_take_ahead_costs_no_answer(client: Client, redis: Redis) -> None:
+    """A Redis error in the helper's look at the queue ends only the take ahead: the running take's answers are
+    written, and every job is computed once."""
+    handle = client.submit_batch(items(16), escalate=False)
+    engine = FakeEngine(rows=8)
+    worker = BatchWorker(redis, engine, engine.config, WorkerSettings(burst=True, name="w1", idle_poll_s=0.02))
+    real = worker.bridge.queue_facts
+    blips: list[int] = []
+
+    def facts(*, move_aside: bool = True) -> Any:
+        if not move_aside and not blips:
+            blips.append(1)
+            raise RedisTimeout("a blip")
+        return real(move_aside=move_aside)
+
+    worker.bridge.queue_facts = facts  # type: ignore[method-assign]
+    worker.work()
+    assert blips
+    assert_each_item_answered_once(client, redis, handle.id, 16)
+    assert sorted(engine.answered) == sorted(f"j{i}" for i in range(16))
+
+
+def test_a_peer_gone_idle_meanwhile_gets_its_share_of_the_take_ahead(client: Client, redis: Redis) -> None:
+    """The take ahead was made with no idle peer; by the boundary one is idle: the take is cut to this worker's
+    share of what the queue would hold, the rest back at the front for the peer (here a peer that never takes,
+    so this worker shares again take by take, as any take does)."""
+    handle = client.submit_batch(items(16), escalate=False)
+
+    def peer_goes_idle() -> None:
+        now = time.time()
+        redis.zadd(Keys().workers(), {"peer": now + 3600})
+        redis.zadd(Keys().idle_workers(), {"peer": now})
+
+    engine = FirstRunWaits(redis, peer_goes_idle, rows=8)
+    burst(redis, engine)
+    assert engine.calls[0] == [f"j{i}" for i in range(8)]
+    assert engine.calls[1] == [f"j{i}" for i in range(8, 12)]  # half of the 8 the queue would hold
+    assert_each_item_answered_once(client, redis, handle.id, 16)
+    assert crashes_of(redis, handle.id, [f"j{i}" for i in range(16)]) == [0] * 16

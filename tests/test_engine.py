@@ -285,22 +285,31 @@ def test_the_engines_resident_objects_are_out_of_the_collectors_sight(engine: En
     assert gc.get_freeze_count() > 0
 
 
-def test_prepared_encodings_and_the_gpu_wait_signal(engine: Engine) -> None:
-    """A take encoded ahead (`prepare`) answers as one encoded in `run`; `on_gpu_wait` is called inside the run --
-    on the static loop once a batch's prefill is queued, before any of its decode steps -- and on return."""
+def test_prepared_encodings_and_the_gpu_wait_signal(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A take encoded ahead (`prepare`) answers as one encoded in `run`, which encodes nothing again;
+    `on_gpu_wait` is called inside the run before any token is generated -- on the static loop once a batch's
+    prefill is queued (before its decode steps), on HF generate before it starts -- and on return."""
     batch = jobs("laya", 3)
-    steps_seen: list[float] = []
     decoders = list(engine.decoders.values())
+    plain = engine.run(batch)
+    steps_before = sum(d.phase_s["decode_steps"] for d in decoders)
+    encoded = engine.prepare(batch)
+    encodes: list[int] = []
+    original = engine.encoder.encode_many
+    monkeypatch.setattr(engine.encoder, "encode_many", lambda js, **kw: encodes.append(len(js)) or original(js, **kw))
+    generated: list[bool] = []
+    import worker.engine as engine_module
+
+    eager = engine_module.generate_eager
+    monkeypatch.setattr(engine_module, "generate_eager", lambda *a: generated.append(True) or eager(*a))
+    signals: list[tuple[float, int]] = []
 
     def waiting() -> None:
-        steps_seen.append(sum(d.phase_s["decode_steps"] for d in decoders))
+        signals.append((sum(d.phase_s["decode_steps"] for d in decoders), len(generated)))
 
-    before = sum(d.phase_s["decode_steps"] for d in decoders)
-    plain = engine.run(batch)
-    after_plain = sum(d.phase_s["decode_steps"] for d in decoders)
-    prepared = engine.run(batch, encoded=engine.prepare(batch), on_gpu_wait=waiting)
+    prepared = engine.run(batch, encoded=encoded, on_gpu_wait=waiting)
     assert [o.text for o in prepared] == [o.text for o in plain]
-    assert len(steps_seen) >= 1
-    if decoders:  # the static loop: the first signal came before this run's first decode step
-        assert steps_seen[0] == after_plain > before
+    assert encodes == []  # nothing encoded twice
+    assert len(signals) >= 2  # inside the run, and on return
+    assert signals[0] == (steps_before, 0)  # before the first decode step, before HF generate ran
     assert all(d.on_wait is not waiting for d in decoders)  # the engine's next caller is not signalled

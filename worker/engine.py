@@ -382,8 +382,9 @@ class Engine:
                 if self._past_deadline():
                     results = [RowOutput.failed(TIMEOUT, "the batch's time limit passed before it ran") for _ in chunk]
                 else:
-                    if scoring:
-                        # Scoring launches run ahead of the GPU (they block on its full queue, not on a result).
+                    if scoring or not on_loop:
+                        # Scoring launches run ahead of the GPU (they block on its full queue, not on a result);
+                        # HF generate gives no signal of its own (the static loop's comes after its prefill).
                         waits()
                     self.memory.take_started()
                     results = self.guard(fn, chunk)

@@ -41,6 +41,7 @@ from worker.rqcompat.bridge import QueueFacts
 from worker.settings import WorkerSettings, worker_name
 from worker.settle import Row, Settler, Triage, dead_letter, outputs_tokens
 from worker.stats import PUBLISH_EVERY_BATCHES, BatchFacts, WorkerStats
+from worker.tail import tail_take
 from worker.take import Take, Taker
 from worker.versions import model_versions
 from worker.wake import Wake
@@ -329,17 +330,30 @@ class BatchWorker:
         if triage is not None:
             self._write(triage.settled)
             jobs = [r.job for r in triage.runnable if r.job is not None]
-            encoded = self.engine.prepare(jobs) if jobs else None
+            encoded = self._encoded(jobs) if jobs else None
         host_s = 0.0 if ahead else time.monotonic() - started
         return Prepared(taken, taken_ref(taken), triage, encoded, host_s, ahead=ahead)
 
+    def _encoded(self, jobs: list[Job]) -> Any:
+        """The engine's `prepare` of these jobs; None where it raised: `run` then encodes them itself, inside the
+        batch's one except boundary (`_run_engine`), where a job that cannot be encoded fails alone."""
+        try:
+            return self.engine.prepare(jobs)
+        except Exception:
+            log.exception("encoding a take of %d ahead of its run failed; the engine encodes it as it runs", len(jobs))
+            return None
+
     def _fitted(self, ahead: Prepared, states: dict[QueueRef, QueueState], *, queued: int) -> Prepared:
         """The take made ahead, sized as a take made now would be: it was sized before the take it ran beside
-        (whose KV pool and graphs may leave room for fewer rows now: the rest go back to the front of their
-        queue), and made while the queue may still have been filling (topped up from it)."""
+        (whose KV pool and graphs may leave room for fewer rows now), while a peer may have gone idle since (its
+        share of the queue), the rest back to the front of their queue; or made while the queue was still filling
+        (topped up from it)."""
         assert ahead.triage is not None
         held = sum(1 for r in ahead.rows if r.ref == ahead.ref)
         size = self._take_size(ahead.ref, states, queued=queued + held)
+        # A peer gone idle since the take was made gets its share of the queue, as a take made now would leave it.
+        peers = self.bridge.idle_peers(live_s=self.settings.worker_ttl_s)
+        size = tail_take(size, queued + held, idle_peers=peers)
         runnable = ahead.triage.runnable
         if len(runnable) > size:
             return self._trimmed(ahead, size)
@@ -355,9 +369,9 @@ class BatchWorker:
         """The take made ahead cut to its first `size` runnable rows; the rest back to the front of their queue."""
         assert ahead.triage is not None
         runnable, back = ahead.triage.runnable[:size], ahead.triage.runnable[size:]
+        self.settler.unmark_running(back)  # first: a peer may take them the moment they are back
         for hand in in_hand(back):
             self.bridge.give_back(hand.ref, list(hand.ids), exec_id=hand.exec_id)
-        self.settler.unmark_running(back)
         triage = Triage(ahead.triage.settled, runnable, ahead.triage.flags)
         take = replace(ahead.take, rows=[*ahead.triage.settled, *runnable])
         encoded = None if ahead.encoded is None else ahead.encoded.first(len(runnable))
@@ -366,7 +380,18 @@ class BatchWorker:
     def _take_ahead(self, current: Prepared) -> Prepared | None:
         """On the helper thread, while `current` runs: the next take of its queue, if the loop's next step will
         want one (no interactive work waiting behind a bulk take, no idle peer, the policy staying on this
-        queue). It waits for jobs while the take runs, looking every `AHEAD_POLL_S`."""
+        queue). It waits for jobs while the take runs, looking every `AHEAD_POLL_S`. A take ahead is a saving,
+        never a need: Redis failing meanwhile costs only the saving (what it took lapses back to its queue
+        through recovery, no crash counted; the running take's answers are kept)."""
+        try:
+            return self._take_ahead_now(current)
+        except redis.exceptions.RedisError as exc:
+            log.warning("taking ahead failed (%s); the next step takes as usual", exc)
+            with self._lock:
+                self._held_ahead = []
+            return None
+
+    def _take_ahead_now(self, current: Prepared) -> Prepared | None:
         ref = current.ref
         if current.take.dead or not current.take.allowed or self.pace.live(self._pace_now):
             return None
@@ -385,16 +410,18 @@ class BatchWorker:
         if self._choose(ref.model, states) != ref:
             return None
         exec_id = self.bridge.begin_batch()
-        self.bridge.mark_held(add=[exec_id], ttl_s=self.settings.result_ttl_s)
         taken = self.taker.take(
             ref, states, capacity=current.take.allowed, suspects=0, queued=facts[ref].depth, exec_id=exec_id, ahead=True
         )
         with self._lock:
             self._held_ahead = in_hand(taken.rows)
         if not taken.rows:
-            self.bridge.mark_held(remove=[exec_id], ttl_s=self.settings.result_ttl_s)
             return None
-        return self._prepare(taken, ahead=True)
+        prepared = self._prepare(taken, ahead=True)
+        # Held only now: a process crash while its jobs were triaged and encoded (the host code a hostile job
+        # could crash) is charged to them too, so such a job is bisected like any poison job.
+        self.bridge.mark_held(add=[exec_id], ttl_s=self.settings.result_ttl_s)
+        return prepared
 
     def _give_back_ahead(self) -> None:
         """The take made ahead, not wanted after all: its jobs back to the front of their queues."""
@@ -402,9 +429,9 @@ class BatchWorker:
         if ahead is None:
             return
         back = list(ahead.triage.runnable) if ahead.triage is not None else ahead.rows
+        self.settler.unmark_running(back)  # first: a peer may take them the moment they are back
         for hand in in_hand(back):
             self.bridge.give_back(hand.ref, list(hand.ids), exec_id=hand.exec_id)
-        self.settler.unmark_running(back)
         self.bridge.mark_held(remove=exec_ids(ahead.rows), ttl_s=self.settings.result_ttl_s)
         with self._lock:
             self._held_ahead = []
@@ -414,9 +441,10 @@ class BatchWorker:
         """The last take's answers, written now (nothing runs that they could be written behind)."""
         answered = self._unwritten
         if answered is not None:
-            self._write_answered(answered, held=False)
+            self._write_answered(answered, held=True)
 
     def _write_answered(self, answered: Answered, *, held: bool) -> None:
+        """`held`: its execution ids are in the held set (it waited to be written): out of it once written."""
         self._write(self.settler.results(answered.triage, answered.outputs, engine_s=answered.engine_s))
         with self._lock:
             if self._unwritten is answered:
@@ -456,12 +484,9 @@ class BatchWorker:
         rows = prepared.rows
         if prepared.take.dead:  # a suspect group written off: nothing runs that answers could be written behind
             self._write_unwritten()
-        unwritten = self._unwritten
-        # The answers before this take are written behind it, this take's ids leave the held set: one round trip.
-        behind = exec_ids(unwritten.rows) if unwritten is not None else []
-        self.bridge.mark_held(
-            add=behind, remove=exec_ids(rows) if prepared.ahead else [], ttl_s=self.settings.result_ttl_s
-        )
+        unwritten = self._unwritten  # written behind this take (held since it was answered)
+        if prepared.ahead:  # running now: a crash from here on is this take's
+            self.bridge.mark_held(remove=exec_ids(rows), ttl_s=self.settings.result_ttl_s)
         with self._lock:
             self._running = in_hand(rows)
             self._held_ahead = []
@@ -504,15 +529,18 @@ class BatchWorker:
                 engine_s = time.time() - engine_started
         finally:
             ahead = self.helper.join()
+        write_s = 0.0
         if triage.runnable:
             answered = Answered(triage, outputs, engine_s)
-            with self._lock:
-                self._unwritten = answered
-        write_s = 0.0
-        if ahead is None:  # nothing to write them behind: now
-            write_started = time.time()
-            self._write_unwritten()
-            write_s = time.time() - write_started
+            if ahead is None:  # nothing to write them behind: now
+                write_started = time.time()
+                self._write_answered(answered, held=False)
+                write_s = time.time() - write_started
+            else:
+                # Off the GPU until written behind the next take: a crash meanwhile is not theirs.
+                self.bridge.mark_held(add=exec_ids(answered.rows), ttl_s=self.settings.result_ttl_s)
+                with self._lock:
+                    self._unwritten = answered
         waits = [started - r.raw.enqueued_at for r in rows if r.raw.enqueued_at]
         facts = BatchFacts(
             models=tuple(sorted({r.model for r in rows})),

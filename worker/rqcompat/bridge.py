@@ -34,6 +34,7 @@ from worker.rqcompat.reclaim import Reclaim
 from worker.rqcompat.registration import Registration
 from worker.rqcompat.scripts import (
     _FINISH_LUA,
+    _IDLE_PEERS_LUA,
     _RECOVER_LUA,
     _REQUEUE_LUA,
     _TAKE_GROUP_LUA,
@@ -88,6 +89,7 @@ class RQBridge(Registration, Reclaim):
         self.failed = {m: FailedJobRegistry(queue=q) for m, q in self.queues.items()}
         self._take_script = redis.register_script(_TAKE_LUA)
         self._take_group = redis.register_script(_TAKE_GROUP_LUA)
+        self._idle_peers = redis.register_script(_IDLE_PEERS_LUA)
         self._recover = redis.register_script(_RECOVER_LUA)
         self._requeue = redis.register_script(_REQUEUE_LUA)
         self._unstick = redis.register_script(_UNSTICK_LUA)
@@ -297,11 +299,19 @@ class RQBridge(Registration, Reclaim):
 
     def give_back(self, ref: QueueRef, ids: Sequence[str], *, exec_id: str) -> None:
         """Jobs this worker took but will not run (a take made ahead that the next step does not want): back to
-        the front of their queue in their order, no crash or attempt counted."""
+        the front of their queue in their order, no crash or attempt counted; idle workers woken (as a submit
+        wakes them)."""
         members = [(f"{job_id}:{exec_id}".encode(), job_id) for job_id in reversed(ids)]
         args = [x for member, job_id in members for x in (member, job_id)]
         if args:
             self._script_on_queue(ref, self._requeue, [self.started[ref].key, self.queues[ref].key, _JOB_PREFIX], args)
+            self.redis.publish(self.keys.queued(), ref.lane)
+
+    def idle_peers(self, *, live_s: float) -> int:
+        """Workers between takes now, this one aside, with a heartbeat within `live_s` (as a take counts them)."""
+        live_since = time.time() - live_s
+        keys = [self.keys.workers(), self.keys.idle_workers()]
+        return int(self._idle_peers(keys=keys, args=[self.worker_name, live_since]))
 
     # ---- finalise -----------------------------------------------------------------------------
     def finish(

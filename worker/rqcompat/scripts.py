@@ -76,6 +76,9 @@ return out
 """
 )
 
+# The live idle peers of a worker (as a take counts them). KEYS: live workers, idle workers. ARGV: worker, live since.
+_IDLE_PEERS_LUA = _IDLE_LUA + "return idle_peers(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]))"
+
 # Pops one suspect group, registers its jobs as started and leaves the idle set, atomically. Returns {record, id...}.
 # KEYS: suspects list, started registry, job key prefix, idle workers. ARGV: score, exec id, worker, now string.
 _TAKE_GROUP_LUA = (
