@@ -6,9 +6,11 @@ written, the queues looked at, the next jobs taken, triaged and encoded. The hel
 look at the queues and the memory (the loop's own step decides, as before, what runs next: a take made ahead
 that it does not want is given back to the front of its queue).
 
-Crash accounting stays exact. The jobs of a take made ahead, and of a take answered but not yet written, are in
-this worker's hands but not on its GPU: their execution ids are in its held set (`Keys.held`) for exactly that
-time, and recovery returns a dead worker's held jobs to their queue without counting a crash against them.
+Crash accounting stays exact. The jobs of a take answered but not yet written (from the moment its write is
+deferred), and of a take made ahead (once triaged and encoded: a job that crashes that host code is charged like
+any poison job), are in this worker's hands but not on its GPU: their execution ids are in its held set
+(`Keys.held`) until they are written or start to run, and recovery returns a dead worker's held jobs to their
+queue without counting a crash against them.
 """
 
 from __future__ import annotations
