@@ -137,14 +137,21 @@ def test_a_take_ahead_is_sized_as_the_step_after_its_take_sizes_it(client: Clien
     assert client.status(handle.id).counts.running == 0
 
 
-def test_a_take_ahead_takes_nothing_while_a_live_peer_is_idle(redis: Redis) -> None:
+def test_a_take_ahead_leaves_live_peers_their_work(redis: Redis) -> None:
     bridge = RQBridge(redis, Keys(), ["laya"], "me")
     _presence(redis, idle=["peer"], live=["me", "peer"])
     _queue(redis, bridge, 20)
     assert bridge.take_share(LAYA, 8, ttl_s=30, live_s=60, ahead=True).ids == []
     assert len(bridge.take_share(LAYA, 8, ttl_s=30, live_s=60).ids) == 8  # a take of its own turn shares
+    # A busy live peer: a take ahead only while the queue holds a take for each worker.
     _presence(redis, idle=[], live=["me", "peer"])
+    _queue(redis, bridge, 15)
+    assert bridge.take_share(LAYA, 8, ttl_s=30, live_s=60, ahead=True).ids == []
+    _queue(redis, bridge, 16)
     assert len(bridge.take_share(LAYA, 8, ttl_s=30, live_s=60, ahead=True).ids) == 8
+    _presence(redis, idle=[], live=["me"], stale=("gone",))  # alone (a stale peer does not count): any depth
+    _queue(redis, bridge, 3)
+    assert len(bridge.take_share(LAYA, 8, ttl_s=30, live_s=60, ahead=True).ids) == 3
 
 
 def test_a_dead_workers_held_take_is_requeued_not_charged(redis: Redis) -> None:

@@ -157,7 +157,8 @@ class RQBridge(Registration, Reclaim):
         idle now (this one aside, each with a heartbeat within `live_s`), decided in the same script as the pop.
         A peer's take can then never fall between the look and the take: it has either shrunk the queue and left
         the idle set, or not yet begun. `ahead`: a take made while another runs (worker.ahead), which takes
-        nothing while a live peer is idle."""
+        nothing while a live peer is idle, nor beside live peers while the queue holds less than a take for each
+        worker."""
         live_since = time.time() - live_s
         return self._take(ref, capacity, ttl_s=ttl_s, live_since=live_since, exec_id=exec_id, ahead=ahead)
 

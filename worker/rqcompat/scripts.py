@@ -42,6 +42,13 @@ local function idle_peers(live, idle, me, live_since)
   end
   return n
 end
+local function live_peers(live, me, live_since)
+  if not is_zset(live) then return 0 end
+  local n = redis.call('ZCOUNT', live, live_since, '+inf')
+  local beat = redis.call('ZSCORE', live, me)
+  if beat and tonumber(beat) >= live_since then n = n - 1 end
+  return n
+end
 local function leave_idle(idle, me)
   if is_zset(idle) then redis.call('ZREM', idle, me) end
 end
@@ -52,7 +59,8 @@ end
 # left a stale depth and still counted as idle: the take came out a quarter, not a half. Returns {limit, id...}.
 # KEYS: queue list, started registry, job key prefix, live workers, idle workers.
 # ARGV: capacity, score (expiry), exec id, worker, now string, live since ('': share with nobody), '1' for a take
-# ahead (worker.ahead: nothing while a live peer is idle, who would run those jobs now).
+# ahead (worker.ahead): nothing while a live peer is idle, who would run those jobs now, nor, beside busy live
+# peers, while the queue holds less than a take for each worker (near its end a peer would idle meanwhile).
 _TAKE_LUA = (
     _MARK_STARTED_LUA
     + _TAIL_TAKE_LUA
@@ -61,7 +69,11 @@ _TAKE_LUA = (
 if not registry_ok(KEYS[2]) then return redis.error_reply('KEVLAYA_BAD_REGISTRY') end
 local peers = 0
 if ARGV[6] ~= '' then peers = idle_peers(KEYS[4], KEYS[5], ARGV[4], tonumber(ARGV[6])) end
-if ARGV[7] == '1' and peers > 0 then return {0} end
+if ARGV[7] == '1' then
+  if peers > 0 then return {0} end
+  local others = live_peers(KEYS[4], ARGV[4], tonumber(ARGV[6]))
+  if others > 0 and redis.call('LLEN', KEYS[1]) < tonumber(ARGV[1]) * (1 + others) then return {0} end
+end
 local limit = tail_take(tonumber(ARGV[1]), redis.call('LLEN', KEYS[1]), peers)
 local out = {limit}
 for i = 1, limit do
