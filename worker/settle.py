@@ -179,24 +179,16 @@ class Settler:
     def _mark_running(self, rows: Sequence[Row]) -> None:
         """Add runnable jobs to their batch's running set (writing the result removes them), so `kevlaya
         status` counts what is running."""
-        running: dict[str, list[str]] = {}
-        for row in rows:
-            if row.job is not None and row.job.batch:
-                running.setdefault(row.job.batch, []).append(row.raw.id)
         with self.redis.pipeline(transaction=False) as pipe:
-            for batch, ids in running.items():  # one SADD and one EXPIRE a batch, not a job
+            for batch, ids in by_batch(rows).items():  # one SADD and one EXPIRE a batch, not a job
                 pipe.sadd(self.keys.batch_running(batch), *ids)  # fails alone (this batch) if not a set
                 pipe.expire(self.keys.batch_running(batch), self.enqueue.ttl_s)
             pipe.execute(raise_on_error=False)
 
     def unmark_running(self, rows: Sequence[Row]) -> None:
         """Jobs given back to their queue before they ran (worker.ahead): out of their batch's running set."""
-        running: dict[str, list[str]] = {}
-        for row in rows:
-            if row.job is not None and row.job.batch:
-                running.setdefault(row.job.batch, []).append(row.raw.id)
         with self.redis.pipeline(transaction=False) as pipe:
-            for batch, ids in running.items():
+            for batch, ids in by_batch(rows).items():
                 pipe.srem(self.keys.batch_running(batch), *ids)
             pipe.execute(raise_on_error=False)
 
@@ -325,6 +317,15 @@ class Settler:
         for (ref, exec_id), done in by_take.items():
             self.bridge.finish(ref, done, ttl_s=ttl_s, exec_id=exec_id)
         return Written(created, duplicates)
+
+
+def by_batch(rows: Sequence[Row]) -> dict[str, list[str]]:
+    """The job ids of rows whose job belongs to a batch, by batch."""
+    out: dict[str, list[str]] = {}
+    for row in rows:
+        if row.job is not None and row.job.batch:
+            out.setdefault(row.job.batch, []).append(row.raw.id)
+    return out
 
 
 def dead_letter(settler: Settler, rows: Sequence[Row]) -> list[Row]:
