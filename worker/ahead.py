@@ -62,8 +62,10 @@ class Prepared:
     ref: QueueRef  # the queue it was taken for
     triage: Triage | None  # None: a suspect group to write off
     encoded: Any  # the engine's `prepare` of the runnable jobs (None: the engine encodes them itself)
-    host_s: float  # taking, triage and encoding, where they ran on the loop's thread (0 when made ahead)
+    # The loop thread's time triaging it (its settled rows written, its jobs encoded): 0 when made ahead.
+    triage_s: float
     ahead: bool = False  # made while another take ran: its execution id is in the held set until it runs
+    take_s: float = 0.0  # the loop thread's time taking it (or fitting the take made ahead), triage aside
 
     @property
     def rows(self) -> list[Row]:

@@ -246,6 +246,7 @@ class BatchWorker:
         self.current_model = ref.model
         self._pace_now = time.monotonic()
         paced = self._pacing(ref, states)
+        take_started = time.monotonic()
         if ahead is not None:
             queued = facts[ref].depth - sum(1 for r in ahead.rows if r.ref == ref)
             prepared = self._fitted(ahead, states, queued=queued)
@@ -253,6 +254,7 @@ class BatchWorker:
             prepared = self._prepare(
                 self._take(ref, states, suspects=facts[ref].suspect_groups, queued=facts[ref].depth)
             )
+        prepared = replace(prepared, take_s=time.monotonic() - take_started - prepared.triage_s)
         taken = prepared.take
         if not taken.rows:
             # Back in the idle set: a take whose every id was quarantined left it in the take's script.
@@ -331,8 +333,8 @@ class BatchWorker:
             self._write(triage.settled)
             jobs = [r.job for r in triage.runnable if r.job is not None]
             encoded = self._encoded(jobs) if jobs else None
-        host_s = 0.0 if ahead else time.monotonic() - started
-        return Prepared(taken, taken_ref(taken), triage, encoded, host_s, ahead=ahead)
+        triage_s = 0.0 if ahead else time.monotonic() - started
+        return Prepared(taken, taken_ref(taken), triage, encoded, triage_s, ahead=ahead)
 
     def _encoded(self, jobs: list[Job]) -> Any:
         """The engine's `prepare` of these jobs; None where it raised: `run` then encodes them itself, inside the
@@ -369,9 +371,7 @@ class BatchWorker:
         """The take made ahead cut to its first `size` runnable rows; the rest back to the front of their queue."""
         assert ahead.triage is not None
         runnable, back = ahead.triage.runnable[:size], ahead.triage.runnable[size:]
-        self.settler.unmark_running(back)  # first: a peer may take them the moment they are back
-        for hand in in_hand(back):
-            self.bridge.give_back(hand.ref, list(hand.ids), exec_id=hand.exec_id)
+        self._hand_back(back)
         triage = Triage(ahead.triage.settled, runnable, ahead.triage.flags)
         take = replace(ahead.take, rows=[*ahead.triage.settled, *runnable])
         encoded = None if ahead.encoded is None else ahead.encoded.first(len(runnable))
@@ -429,13 +429,18 @@ class BatchWorker:
         if ahead is None:
             return
         back = list(ahead.triage.runnable) if ahead.triage is not None else ahead.rows
-        self.settler.unmark_running(back)  # first: a peer may take them the moment they are back
-        for hand in in_hand(back):
-            self.bridge.give_back(hand.ref, list(hand.ids), exec_id=hand.exec_id)
+        self._hand_back(back)
         self.bridge.mark_held(remove=exec_ids(ahead.rows), ttl_s=self.settings.result_ttl_s)
         with self._lock:
             self._held_ahead = []
         log.debug("gave back %d job(s) taken ahead", len(back))
+
+    def _hand_back(self, rows: Sequence[Row]) -> None:
+        """Taken rows this worker will not run, back to the front of their queues in order (no crash or attempt
+        counted), out of their batch's running set first: a peer may take them the moment they are back."""
+        self.settler.unmark_running(rows)
+        for hand in in_hand(rows):
+            self.bridge.give_back(hand.ref, list(hand.ids), exec_id=hand.exec_id)
 
     def _write_unwritten(self) -> None:
         """The last take's answers, written now (nothing runs that they could be written behind)."""
@@ -551,9 +556,9 @@ class BatchWorker:
             generated_tokens=outputs_tokens(outputs),
             wait_s=max(waits, default=0.0),
             engine_s=engine_s,
-            total_s=time.time() - started + prepared.host_s,
-            take_s=prepared.host_s,
-            triage_s=0.0,
+            total_s=time.time() - started + prepared.take_s + prepared.triage_s,
+            take_s=prepared.take_s,
+            triage_s=prepared.triage_s,
             write_s=write_s,
         )
         self.stats.record(facts, peak_memory_bytes=getattr(self.engine, "peak_memory_bytes", lambda: 0)())
@@ -663,4 +668,4 @@ def joined(first: Prepared, more: Prepared) -> Prepared:
     else:
         encoded = first.encoded.then(more.encoded)
     take = Take(first.rows + more.rows, allowed=max(first.take.allowed, len(first.rows) + more.take.allowed))
-    return Prepared(take, first.ref, triage, encoded, first.host_s + more.host_s, ahead=first.ahead)
+    return Prepared(take, first.ref, triage, encoded, first.triage_s + more.triage_s, ahead=first.ahead)
