@@ -149,7 +149,7 @@ def shape_report(rows: int, name: str, device: torch.device, blocksize: int) -> 
     """The reference's and the best tile's microseconds for one shape at `rows` rows, and the relative error."""
     weight = Nf4Weight.random(STEP_SHAPES[name], blocksize, device)
     code = nf4_code(device)
-    table = nf4.byte_table(code)
+    table = nf4.code_table(code)
     x = torch.randn(rows, weight.shape[1], device=device, dtype=torch.bfloat16)
     permuted = pair_permuted(x, blocksize)
     want = reference_matmul(x, weight, table).float()

@@ -37,7 +37,7 @@ def test_fused_matmul_equals_dequantise_then_matmul() -> None:
         ):
             weight = Nf4Weight.random(shape, blocksize, torch.device("cpu"))
             x = torch.randn(rows, shape[1]).to(torch.float16)
-            dense = nf4.dequantize(weight.packed, weight.absmax, nf4.byte_table(code), shape=shape,
+            dense = nf4.dequantize(weight.packed, weight.absmax, nf4.code_table(code), shape=shape,
                                    blocksize=blocksize, dtype=torch.float32).to(torch.float16)
             want = x.float() @ dense.float().t()
             got = fused_matmul(pair_permuted(x, blocksize), weight, code, tiles).float()

@@ -276,7 +276,7 @@ def test_our_nf4_kernel_is_bitsandbytes_dequantise_in_bfloat16() -> None:
         )
         extra = torch.randn(40, cols, dtype=torch.bfloat16, device="cuda")
         assert nf4.serves(packed.device, torch.bfloat16, "nf4", blocksize)
-        code = nf4.byte_table(state.code.to(device="cuda"))
+        code = nf4.code_table(state.code.to(device="cuda"))
         got = nf4.dequantize(
             packed, state.absmax, code, shape=(rows, cols), blocksize=blocksize, dtype=torch.bfloat16, extra=extra
         )

@@ -271,7 +271,7 @@ def test_our_nf4_dequantise_is_bitsandbytes_and_keeps_its_appended_rows() -> Non
                 extra = torch.randn(more, cols, dtype=dtype) if more else None
                 assert nf4.serves(packed.device, dtype, "nf4", blocksize) and not nf4.serves(
                     packed.device, dtype, "fp4", blocksize)
-                got = nf4.dequantize(packed, state.absmax.float(), nf4.byte_table(state.code), shape=(rows, cols),
+                got = nf4.dequantize(packed, state.absmax.float(), nf4.code_table(state.code), shape=(rows, cols),
                                      blocksize=blocksize, dtype=dtype, extra=extra)
                 assert got.shape == (rows + more, cols)
                 assert torch.equal(got[:rows], want), (dtype, rows, cols, blocksize)
@@ -326,3 +326,24 @@ def test_decode_with_lora_folded_into_our_nf4_matmul_keeps_its_tokens(tiny_model
         str(path),
     )
     assert out.strip() == "ok"
+
+
+def test_the_launcher_keys_integers_triton_specialises_on_their_value() -> None:
+    """A compiled variant serves only the arguments Triton compiled it for: an integer it specialises (not
+    `do_not_specialize`) is keyed by whether it is 1 and whether a multiple of 16 (a kernel compiled for a
+    multiple of 16 vectorises on that promise), one it does not specialise by its width only."""
+    from worker.fastpath import pointwise
+
+    key = pointwise.specialisation
+    assert key(4096, True) != key(4104, True) != key(1, True)
+    assert key(4096, True) == key(8192, True)
+    assert key(4096, False) == key(4104, False) == key(1, False)
+    assert key(2**40, False) != key(4096, False)  # i64 against i32
+
+    class Param:
+        def __init__(self, fixed: bool) -> None:
+            self.do_not_specialize = fixed
+
+    kernel = FakeKernel(wrong=False)
+    kernel.params = [Param(False), Param(True), Param(False)]  # type: ignore[attr-defined]
+    assert tuple(pointwise.Launcher(kernel, outputs=(0,)).specialised) == (True, False, True)

@@ -18,9 +18,10 @@ compiled or eager functions in `ops` run. Under `TRITON_INTERPRET=1` the kernels
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -62,7 +63,10 @@ if triton is not None:
         y = (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
         tl.store(out + (token * H + h[:, None]) * D + d[None, :], y, mask=inside)
 
-    @triton.jit(do_not_specialize=["F", "s_gate", "s_up"])
+    # The feature count and row strides specialised: they are a model's (its MLP width, its joint outputs' widths),
+    # a handful of patterns compiled in the warm-up; multiples of 16 let Triton vectorise. Unspecialised, SiLU x up
+    # took 140 us at 8,192 rows on the H200, 113 us specialised (`probe` of 2026-12-03).
+    @triton.jit
     def _silu_mul_kernel(gate, up, out, F, s_gate, s_up, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -76,7 +80,8 @@ if triton is not None:
             silu = (g / (1.0 + tl.exp(-g))).to(dtype)
         tl.store(out + row * F + cols, (silu.to(tl.float32) * u).to(dtype), mask=inside)
 
-    @triton.jit(do_not_specialize=["N", "s_h", "s_d"])
+    # Specialised as SiLU x up is, and run in 8 warps: 39.3 -> 29.7 us at 8,192 rows of 1,536 on the H200.
+    @triton.jit
     def _add_rms_kernel(h, delta, weight, h_out, x_out, N, s_h, s_d, eps, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -113,9 +118,14 @@ class Launcher:
         self.options = options  # compile options (Triton's own keywords), not kernel arguments
         self.compiled: dict[tuple[Any, ...], Any] = {}
         self.direct = not INTERPRETED and knobs is not None
+        # Per argument, whether Triton specialises an integer there on its value (1, a multiple of 16).
+        params = getattr(kernel, "params", None)
+        self.specialised: Iterable[bool] = (
+            tuple(not p.do_not_specialize for p in params) if params is not None else itertools.repeat(True)
+        )
 
     def __call__(self, grid: tuple[int, int], *args: Any, **constexprs: Any) -> None:
-        key = (tuple(map(specialisation, args)), tuple(constexprs.items()))
+        key = (tuple(map(specialisation, args, self.specialised)), tuple(constexprs.items()))
         compiled = self.compiled.get(key) if self.direct else None
         if compiled is not None:
             self._run(compiled, grid, args, constexprs)
@@ -163,12 +173,15 @@ class Launcher:
         log.warning("fast path: Triton's compiled launcher is not what we expect here; using Triton's own launch")
 
 
-def specialisation(arg: Any) -> Any:
+def specialisation(arg: Any, on_value: bool = True) -> Any:
     """What Triton compiles a variant of our kernels per, for one argument: a tensor's dtype, device and 16-byte
-    alignment (its sizes and strides are `do_not_specialize`); an integer's width (i32 or i64, by its value);
-    other values' type. Exact type checks first: this runs for every argument of every launch."""
+    alignment; an integer's width (i32 or i64, by its value) and, where Triton specialises on its value
+    (`on_value`: not `do_not_specialize`), whether it is 1 and whether a multiple of 16; other values' type.
+    Exact type checks first: this runs for every argument of every launch."""
     kind = type(arg)
     if kind is int or (kind is not bool and isinstance(arg, int)):
+        if on_value:
+            return int, -(2**31) <= arg < 2**31, arg == 1, arg % 16 == 0
         return int, -(2**31) <= arg < 2**31
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.device.index, arg.data_ptr() % 16 == 0
@@ -302,4 +315,4 @@ if triton is not None:
 
     ROPE = Launcher(_rope_kernel, outputs=(3,), enable_fp_fusion=False)
     SILU_MUL = Launcher(_silu_mul_kernel, outputs=(2,))
-    ADD_RMS = Launcher(_add_rms_kernel, outputs=(3, 4))
+    ADD_RMS = Launcher(_add_rms_kernel, outputs=(3, 4), num_warps=8)

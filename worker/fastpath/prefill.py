@@ -630,15 +630,17 @@ class Prefill:
         self, tail: ChunkTail, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int, scale: float
     ) -> torch.Tensor:
         """Attention of a chunk with a tail, as (rows, span + T, heads x D): the prompts' queries causal over the
-        prompts (flash, the tail's keys after them unseen), the tail's queries -- grouped by KV head, as the
-        mask is -- over prompts and tail under the tail's mask."""
+        prompts (flash), the tail's queries -- grouped by KV head, as the mask is -- over prompts and tail under
+        the tail's mask. The causal pass runs over all span + T positions: a prompt query never sees a key after
+        it (the tail's keys stay unseen), and its output, laid out as the layer's, needs no copy into place
+        (copying the prompts' part was ~2.5% of a scoring prefill's GPU time on the H200); the tail's rows of it
+        are overwritten."""
         s = self.stack
         rows, width = q.shape[0], tail.width
-        attn = q.new_empty(rows, span + width, s.heads * s.head_dim)
         mask = tail.mask if tail.mask.dtype == q.dtype else tail.mask.to(q.dtype)  # SDPA takes the queries' dtype
-        prompt = causal_attention(q[:, :, :span], k[:, :, :span], v[:, :, :span], scale=scale)
-        attn[:, :span].view(rows, span, s.heads, s.head_dim).copy_(prompt.transpose(1, 2))
-        del prompt
+        causal = causal_attention(q, k, v, scale=scale)
+        attn = causal.transpose(1, 2).reshape(rows, span + width, s.heads * s.head_dim)
+        del causal
         grouped = q[:, :, span:].reshape(rows, s.kv_heads, s.groups * width, s.head_dim)
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
         shaped = out.view(rows, s.kv_heads, s.groups, width, s.head_dim).permute(0, 3, 1, 2, 4)

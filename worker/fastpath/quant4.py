@@ -43,7 +43,7 @@ class Layout4bit:
     quant_type: str
     shape: list[int]  # (out, in) of the unpacked weight
     dtype: torch.dtype  # compute dtype
-    code: torch.Tensor | None = None  # the 4-bit type's byte table for our kernel (`nf4.byte_table`)
+    code: torch.Tensor | None = None  # the 4-bit type's code table for our kernel (`nf4.code_table`)
 
     def folds(self) -> bool:
         """Whether `dense_with` runs here: our NF4 kernel (`nf4`) serves this layout on this device."""

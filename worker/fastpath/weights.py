@@ -404,11 +404,11 @@ def join_bases(projs: list[Proj], dtype: torch.dtype) -> JointBase | None:
 
 
 def four_bit_code(state: Any) -> torch.Tensor | None:
-    """A 4-bit weight's code (its type's 16 values) as our kernel's byte table on the weight's device (`nf4`)."""
+    """A 4-bit weight's code (its type's 16 values) as our kernel's lookup table on the weight's device (`nf4`)."""
     code = getattr(state, "code", None)
     if code is None or code.numel() != 16:
         return None
-    return nf4.byte_table(code.to(device=state.absmax.device, dtype=torch.float32))
+    return nf4.code_table(code.to(device=state.absmax.device, dtype=torch.float32))
 
 
 def joint_bias(bases: list[torch.nn.Module], dtype: torch.dtype) -> torch.Tensor | None:
