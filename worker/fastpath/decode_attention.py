@@ -44,7 +44,10 @@ if triton is not None:
         acc = acc * rescale[:, None] + tl.dot(p.to(values.dtype), values)
         return new_best, total * rescale + tl.sum(p, 1), acc
 
-    @triton.jit(do_not_specialize=["groups", "sq_r", "sq_h", "sk_r", "sk_h", "sk_t", "sv_r", "sv_h", "sv_t"])
+    # Sizes and strides specialised (Triton compiles a variant per pattern of values that are 1 or multiples of
+    # 16): the cache's strides are multiples of the head size whatever its length, the queries' a model's joint
+    # output widths, so the warm-up's captures meet every pattern; known multiples of 16, the K/V loads vectorise.
+    @triton.jit
     def _decode_attention_kernel(
         q, k, v, first, last, out, groups, sq_r, sq_h, sk_r, sk_h, sk_t, sv_r, sv_h, sv_t, scale,
         G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr,

@@ -38,9 +38,10 @@ if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    # Not specialised on the sizes and strides (Triton compiles a variant per divisibility pattern): one compile,
-    # in the engine's warm-up, serves every step; a compile inside a take costs it seconds.
-    @triton.jit(do_not_specialize=["T", "H", "sx_r", "sx_t", "sx_h", "sc_r", "sc_t"])
+    # Not specialised on what a chunk's length sets (Triton compiles a variant per divisibility pattern, and a
+    # compile inside a take costs it seconds); the heads and the strides within a row are a model's (the warm-up
+    # meets their few patterns), and specialised they let Triton vectorise.
+    @triton.jit(do_not_specialize=["T", "sx_r", "sc_r"])
     def _rope_kernel(
         x, cos, sin, out, T, H, sx_r, sx_t, sx_h, sc_r, sc_t, BH: tl.constexpr, D: tl.constexpr,
     ):  # fmt: skip
