@@ -1,5 +1,5 @@
-"""`python -m bench {engine|nightly|fastpath|mixed|timeline|multigpu|kernels|nf4fused|prefill|shapes|submit|soak|
-recovery}`."""
+"""`python -m bench {engine|nightly|fastpath|mixed|timeline|multigpu|kernels|variants|nf4fused|prefill|shapes|submit|
+soak|recovery}`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def main() -> None:
         "timeline": "bench.timeline",
         "multigpu": "bench.multigpu",
         "kernels": "bench.kernels",
+        "variants": "bench.variants",
         "nf4fused": "bench.nf4fused",
         "prefill": "bench.prefill",
         "shapes": "bench.shapes",
