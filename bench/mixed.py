@@ -268,6 +268,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--pointwise-kernels", action="store_true", help="the worker runs with --pointwise-kernels (named in each row)"
     )
+    parser.add_argument(
+        "--take-ahead",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="passed to the worker (named in each row unless auto, the worker's default)",
+    )
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     out_dir = Path(args.out)
@@ -286,6 +292,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cmd += ["--memory-budget", args.memory_budget]
         if args.pointwise_kernels:
             cmd += ["--pointwise-kernels"]
+        if args.take_ahead != "auto":
+            cmd += ["--take-ahead", args.take_ahead]
         with log_path.open("wb") as log_file:
             worker = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
             try:
@@ -328,6 +336,8 @@ def _row(name: str, r: dict[str, Any], args: argparse.Namespace, argv: list[str]
         figures += f", least allocator headroom {r['min_headroom_mib']} MiB, {r['alloc_retries']} allocator retries"
     hardware = f"{args.device} budget {args.memory_budget or 'GPU total - 512 MiB (worker default)'}"
     changed = " + `--pointwise-kernels`" if args.pointwise_kernels else ""
+    if args.take_ahead != "auto":
+        changed += f" + `--take-ahead {args.take_ahead}`"
     model = f"{args.shape or 'default'} shape NF4, `kevlaya worker` defaults (+ `--memory-budget` if given){changed}"
     return f"| mixed/{name} | {hardware} | {model} | {figures} | `python -m bench mixed {' '.join(argv)}` |"
 

@@ -80,6 +80,30 @@ def test_the_next_take_is_taken_while_one_runs_and_each_job_runs_once(client: Cl
     assert worker.stats.crashes_survived == 0
 
 
+def test_with_the_take_ahead_off_nothing_is_taken_while_a_take_runs(client: Client, redis: Redis) -> None:
+    """`take_ahead=False` (`kevlaya worker --take-ahead off`, the default on a CPU): the helper never runs, so
+    while the engine runs a take the queue keeps the rest and this worker holds nothing; each take is written
+    before the next is taken, and every job runs once."""
+    handle = client.submit_batch(items(24), escalate=False)
+    queue = client.queue("laya")
+    seen: list[tuple[int, set[bytes]]] = []
+
+    class Watching(FakeEngine):
+        def run(self, jobs, *, time_limit_s=None):
+            time.sleep(0.1)  # time enough for a helper, were there one, to take ahead
+            seen.append((queue.count, held_ids(redis)))
+            return super().run(jobs, time_limit_s=time_limit_s)
+
+    engine = Watching(rows=8)
+    settings = WorkerSettings(burst=True, name="w1", idle_poll_s=0.02, take_ahead=False)
+    worker = BatchWorker(redis, engine, engine.config, settings)
+    worker.work()
+    assert seen == [(16, set()), (8, set()), (0, set())]
+    assert engine.calls == [[f"j{i}" for i in range(k, k + 8)] for k in (0, 8, 16)]
+    assert_each_item_answered_once(client, redis, handle.id, 24)
+    assert worker.stats.crashes_survived == 0
+
+
 def test_a_crash_counts_against_the_take_that_ran_not_the_one_taken_ahead(client: Client, redis: Redis) -> None:
     handle = client.submit_batch(items(16), escalate=False)
 

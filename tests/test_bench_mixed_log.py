@@ -25,3 +25,26 @@ def test_the_log_gives_oom_captures_and_engine_seconds() -> None:
     counts = LogCounts.of(LOG)
     assert counts == LogCounts(oom=1, captures=1, engine_s=1.52 + 0.73, headrooms_mib=(1026, -30), retries=3)
     assert LogCounts.of("") == LogCounts(oom=0, captures=0, engine_s=0.0, headrooms_mib=())
+
+
+def test_a_row_names_the_worker_settings_it_changed() -> None:
+    """Benchmarks run the worker with a user's defaults or say what they changed: `--take-ahead on|off` and
+    `--pointwise-kernels` appear in the row's model cell, the default (auto) does not."""
+    import argparse
+
+    from bench.mixed import _row
+
+    figures = {
+        "items": 600, "wall_s": 1.5, "engine_s": 1.1, "decisions_per_s": 400.0, "prompt_tokens_per_s": 1,
+        "generated_tokens_per_s": 0, "tokens_per_s": 1, "oom": 0, "captures": 0, "errors": 0, "peak_mib": None,
+        "peak_is_per_process": True,
+    }  # fmt: skip
+
+    def model_cell(**changed: object) -> str:
+        settings = {"device": "cuda", "memory_budget": "6GiB", "shape": None, "nightly_tokens_per_s": None}
+        settings |= {"pointwise_kernels": False, "take_ahead": "auto", **changed}
+        return _row("choices", figures, argparse.Namespace(**settings), []).split(" | ")[2]
+
+    assert "--take-ahead" not in model_cell() and "--pointwise-kernels" not in model_cell()
+    assert model_cell(take_ahead="off").endswith("+ `--take-ahead off`")
+    assert "`--pointwise-kernels` + `--take-ahead on`" in model_cell(take_ahead="on", pointwise_kernels=True)

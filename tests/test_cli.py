@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -162,3 +163,40 @@ def test_worker_ops_flags_reach_the_engine(monkeypatch: pytest.MonkeyPatch, tmp_
         result = CliRunner().invoke(worker_command, ["--config", str(tmp_path / "models.toml"), *args])
         assert isinstance(result.exception, Stop), result.output
         assert seen.pop() == want
+
+
+def test_worker_take_ahead_follows_the_engines_device_unless_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`kevlaya worker --take-ahead auto` (the default) takes ahead where the engine runs on a GPU and not on a CPU;
+    `on` / `off` set it whatever the device."""
+    import torch
+
+    import worker.config
+    import worker.engine
+    import worker.loop
+    from worker.cli import worker_command
+
+    seen: list[bool] = []
+
+    class Stop(Exception):
+        pass
+
+    class Engine:
+        def __init__(self, *args: object, device: str | None = None, **kwargs: object) -> None:
+            self.device = torch.device(device or "cpu")
+
+    class Worker:
+        def __init__(self, redis: object, engine: object, config: object, settings: Any) -> None:
+            seen.append(settings.take_ahead)
+            raise Stop
+
+    monkeypatch.setattr(worker.config, "load_config", lambda path: object())
+    monkeypatch.setattr(worker.engine, "Engine", Engine)
+    monkeypatch.setattr(worker.loop, "BatchWorker", Worker)
+    cases = (([], False), (["--device", "cuda"], True), (["--take-ahead", "on"], True))
+    cases += ((["--device", "cuda", "--take-ahead", "off"], False),)
+    for args, want in cases:
+        result = CliRunner().invoke(worker_command, ["--config", str(tmp_path / "models.toml"), *args])
+        assert isinstance(result.exception, Stop), result.output
+        assert seen.pop() is want

@@ -95,6 +95,15 @@ def setup_logging(level: str) -> None:
     "the decode step not yet shown faster end to end.",
 )
 @click.option(
+    "--take-ahead",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="While a take runs, a helper thread writes the one before it and takes, triages and encodes the next one "
+    "of its queue, so the GPU waits for neither. auto: on where the engine runs on a GPU, off on a CPU (whose "
+    "cores the helper's Python would take from the engine).",
+)
+@click.option(
     "--batch-time-limit-s", default=900.0, show_default=True, help="Rows still generating then fail with `timeout`."
 )
 @click.option("--name", default=None, help="Worker name (default: host + random suffix).")
@@ -136,6 +145,7 @@ def worker_command(
     decode: str,
     no_compile: bool,
     pointwise_kernels: bool,
+    take_ahead: str,
     batch_time_limit_s: float,
     name: str | None,
     job_heartbeat_ttl_s: float,
@@ -176,6 +186,7 @@ def worker_command(
         paced_take_ms=paced_take_ms,
         interactive_window_s=interactive_window_s,
         mixed_tails=not no_mixed_tails,
+        take_ahead=take_ahead == "on" or (take_ahead == "auto" and engine.device.type == "cuda"),
         batch_time_limit_s=batch_time_limit_s,
         name=name,
         prefix=obj.get("prefix", DEFAULT_PREFIX),

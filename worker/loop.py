@@ -525,7 +525,8 @@ class BatchWorker:
         rows = prepared.rows
         outputs: list[Any] = []
         engine_s = 0.0
-        self.helper.start(lambda: self._behind_and_ahead(unwritten, prepared))
+        if self.settings.take_ahead:
+            self.helper.start(lambda: self._behind_and_ahead(unwritten, prepared))
         try:
             if triage.runnable:
                 engine_started = time.time()

@@ -27,6 +27,9 @@ class WorkerSettings:
     result_ttl_s: int = DEFAULT_BATCH_TTL_S
     followup_retries: int = 3
     mixed_tails: bool = True
+    # While the engine runs a take, a helper thread writes the take before it and takes the next one (worker.ahead).
+    # For a GPU's idle host; on a CPU the helper's Python shares the cores the engine computes on.
+    take_ahead: bool = True
     batch_time_limit_s: float = 900.0
     name: str | None = None
     prefix: str = DEFAULT_PREFIX
