@@ -106,6 +106,7 @@ def nf4_rows(device: torch.device) -> list[str]:
             )
         moved = n * 2 + n // 2 + blocks * 4
         for variant, fn in variants.items():
+            out.fill_(float("nan"))  # the variants share `out`: none may pass on another's values
             got = fn()
             equal = same_bits(got if isinstance(got, torch.Tensor) else out, want)
             us = microseconds(fn)
@@ -130,6 +131,7 @@ def silu_rows(device: torch.device) -> list[str]:
                 launch, gate, up, out, m, features, joint.stride(0), joint.stride(0), R=rows, BLOCK=block,
                 num_warps=warps,
             )  # fmt: skip
+            out.fill_(float("nan"))  # the variants share `out`: none may pass on another's values
             fn()
             us = microseconds(fn)
             lines.append(f"silu {m} rows R{rows} B{block} w{warps}: {us:.1f} us, bit-equal {same_bits(out, want)}")
@@ -149,6 +151,8 @@ def rms_rows(device: torch.device) -> list[str]:
         for rows, warps in ((2, 8), (4, 8)):
             launch = _add_rms_2d[(-(-m // rows),)]
             fn = functools.partial(launch, h, d, w, got_h, got_x, m, n, 1e-6, R=rows, BLOCK=2048, num_warps=warps)
+            got_h.fill_(float("nan"))
+            got_x.fill_(float("nan"))
             fn()
             equal = same_bits(got_h, want_h) and same_bits(got_x, want_x)
             lines.append(f"rms {m} rows R{rows} w{warps}: {microseconds(fn):.1f} us, bit-equal {equal}")

@@ -347,3 +347,21 @@ def test_the_launcher_keys_integers_triton_specialises_on_their_value() -> None:
     kernel = FakeKernel(wrong=False)
     kernel.params = [Param(False), Param(True), Param(False)]  # type: ignore[attr-defined]
     assert tuple(pointwise.Launcher(kernel, outputs=(0,)).specialised) == (True, False, True)
+
+
+def test_the_launchers_integer_key_splits_exactly_where_tritons_specialisation_does() -> None:
+    """Against Triton's own specialiser (what its `run` compiles a variant per): two integers share our key
+    exactly when Triton gives them the same specialisation, with value specialisation on and off."""
+    pytest.importorskip("triton")
+    from triton.backends import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    from worker.fastpath import pointwise
+
+    values = (0, 1, 2, 15, 16, 17, 48, 8960, 17944, -1, -16, 2**31 - 1, 2**31, 2**40 + 8)
+    for on_value in (True, False):
+        triton_key = {v: native_specialize_impl(BaseBackend, v, False, on_value, True) for v in values}
+        ours = {v: pointwise.specialisation(v, on_value) for v in values}
+        for a in values:
+            for b in values:
+                assert (ours[a] == ours[b]) == (triton_key[a] == triton_key[b]), (on_value, a, b)

@@ -60,8 +60,8 @@ KERNEL = KernelSwitch(on=True)
 
 def code_table(code: torch.Tensor) -> torch.Tensor:
     """The kernel's lookup table from a 4-bit type's 16 code values: float32, contiguous (the product with the
-    float32 scale is bitsandbytes' arithmetic)."""
-    return code.to(torch.float32).contiguous()
+    float32 scale is bitsandbytes' arithmetic), a copy of our own (not the quantisation state's tensor)."""
+    return code.to(dtype=torch.float32, copy=True).contiguous()
 
 
 def serves(device: torch.device, dtype: torch.dtype, quant_type: str, blocksize: int) -> bool:
