@@ -46,7 +46,7 @@ from worker.engine import Engine
 from worker.fastpath import OpsOptions
 from worker.loop import BatchWorker
 from worker.memory import MIB, parse_bytes
-from worker.settings import WorkerSettings
+from worker.settings import WorkerSettings, take_ahead_on
 from worker.tools.demo import prepare_models
 from worker.tools.embedded_redis import EmbeddedRedis
 
@@ -76,6 +76,7 @@ def tokenizer(engine: Engine) -> Any:
 
 
 def run_worker(redis: Redis, engine: Any, **settings: Any) -> tuple[BatchWorker, threading.Thread]:
+    settings.setdefault("take_ahead", take_ahead_on(engine.device.type))  # `kevlaya worker --take-ahead auto`
     worker = BatchWorker(redis, engine, engine.config, WorkerSettings(**settings))
     thread = threading.Thread(target=worker.work, daemon=True)
     thread.start()

@@ -163,7 +163,7 @@ def worker_command(
     from worker.engine import Engine
     from worker.fastpath import OpsOptions
     from worker.loop import BatchWorker
-    from worker.settings import WorkerSettings
+    from worker.settings import WorkerSettings, take_ahead_on
 
     try:
         config = load_config(config_path)
@@ -186,7 +186,7 @@ def worker_command(
         paced_take_ms=paced_take_ms,
         interactive_window_s=interactive_window_s,
         mixed_tails=not no_mixed_tails,
-        take_ahead=take_ahead == "on" or (take_ahead == "auto" and engine.device.type == "cuda"),
+        take_ahead=take_ahead == "on" or (take_ahead == "auto" and take_ahead_on(engine.device.type)),
         batch_time_limit_s=batch_time_limit_s,
         name=name,
         prefix=obj.get("prefix", DEFAULT_PREFIX),

@@ -48,6 +48,12 @@ class WorkerSettings:
         )
 
 
+def take_ahead_on(device_type: str) -> bool:
+    """`--take-ahead auto`: the helper thread where the engine runs on a GPU, whose host otherwise idles; not on a
+    CPU, where its Python takes the cores the engine computes on."""
+    return device_type == "cuda"
+
+
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 

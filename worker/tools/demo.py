@@ -26,7 +26,7 @@ from shared.conn import redis_url as resolve_url
 from worker.config import load_config
 from worker.engine import Engine
 from worker.loop import BatchWorker
-from worker.settings import WorkerSettings
+from worker.settings import WorkerSettings, take_ahead_on
 from worker.tools.demo_models import build_demo_models
 from worker.tools.embedded_redis import EmbeddedRedis
 from worker.tools.evaluate import EXPERT, SCREEN
@@ -78,7 +78,8 @@ def run_demo(out: Path, *, items: int, redis_url: str | None) -> None:
         client = Client(redis=redis)
         handle = client.submit_batch(parse_lines(bundled_lines(items)))
         click.echo(f"submitted {handle.enqueued} decisions as batch {handle.id}", err=True)
-        worker = BatchWorker(redis, engine, engine.config, WorkerSettings(burst=False, name=f"demo-{handle.id}"))
+        settings = WorkerSettings(name=f"demo-{handle.id}", take_ahead=take_ahead_on(engine.device.type))
+        worker = BatchWorker(redis, engine, engine.config, settings)
         thread = threading.Thread(target=worker.work, daemon=True)
         t0 = time.time()
         thread.start()
