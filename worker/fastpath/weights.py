@@ -408,7 +408,7 @@ def four_bit_code(state: Any) -> torch.Tensor | None:
     code = getattr(state, "code", None)
     if code is None or code.numel() != 16:
         return None
-    return nf4.code_table(code.to(device=state.absmax.device, dtype=torch.float32))
+    return nf4.code_table(code.to(device=state.absmax.device))  # float32, a copy of our own
 
 
 def joint_bias(bases: list[torch.nn.Module], dtype: torch.dtype) -> torch.Tensor | None:
