@@ -1,4 +1,4 @@
-"""`python -m bench {engine|nightly|fastpath|mixed|timeline|multigpu|kernels|variants|nf4fused|prefill|shapes|submit|
+"""`python -m bench {engine|nightly|fastpath|mixed|timeline|gaps|multigpu|kernels|variants|nf4fused|prefill|shapes|submit|
 soak|recovery}`."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ def main() -> None:
         "recovery": "bench.recovery",
         "mixed": "bench.mixed",
         "timeline": "bench.timeline",
+        "gaps": "bench.gaps",
         "multigpu": "bench.multigpu",
         "kernels": "bench.kernels",
         "variants": "bench.variants",
