@@ -215,7 +215,7 @@ def assert_same_cache(a: KV, b: KV) -> None:
 def test_the_rows_make_single_adapter_base_and_mixed_chunks(decoder: StaticDecoder) -> None:
     rows = decode_rows()
     chunks = decoder.prefill.chunks(rows, 23, 0)
-    passes = Passes.of(chunks, merge=True)
+    passes = Passes.of([c.masks for c in chunks], merge=True)
     assert len(chunks) == 7
     assert set(passes.merged) == {"kev", "laya"}
     assert sum(is_mixed(c.masks) for c in chunks) == 2
@@ -601,3 +601,38 @@ def test_the_largest_chunk_follows_the_planned_one_unless_set(tiny_models: Path)
     prefill.tokens, prefill.max_tokens = 24, 48
     assert prefill.max_tokens == 48
     assert prefill.chunk_tokens() == 24  # no room figure (the CPU): the planned size
+
+
+def test_the_first_layer_builds_each_chunk_as_it_reaches_it(
+    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Within a group, chunk j + 1's tensors are built after chunk j went through the first layer (the GPU runs
+    that layer while the host builds the next), never all before the first layer; later layers build nothing."""
+    prefill = decoder.prefill
+    events: list[tuple[str, int]] = []
+    chunk, layer = Prefill._chunk, Prefill._layer
+
+    def spy_chunk(self: Prefill, *args: Any, **kwargs: Any) -> Chunk:
+        c = chunk(self, *args, **kwargs)
+        events.append(("build", int(c.rows[0, 0])))
+        return c
+
+    def spy_layer(self: Prefill, i: int, *args: Any, **kwargs: Any) -> Any:
+        events.append((f"layer {i}", int(args[2].rows[0, 0])))
+        return layer(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(Prefill, "_chunk", spy_chunk)
+    monkeypatch.setattr(Prefill, "_layer", spy_layer)
+    rows = decode_rows()
+    width = max(len(r.ids) for r in rows)
+    kv = fresh_kv(decoder, len(rows), width + 4)
+    with torch.inference_mode():
+        prefill.run(kv, rows, width=width, out_rows=len(rows), pad_id=0, select=_no_fallback)
+    [group] = prefill.layer_groups(rows)  # one group: every chunk (GROUP_TOKENS)
+    assert len(group) > 2
+    first = [e for e in events if e[0] in ("build", "layer 0")]
+    # Each build is followed at once by that chunk's first layer.
+    assert first[0::2] == [("build", r) for _, r in first[0::2]]
+    assert [r for _, r in first[0::2]] == [r for _, r in first[1::2]]
+    assert [e[0] for e in first[1::2]] == ["layer 0"] * len(group)
+    assert sum(e[0] == "build" for e in events) == len(group)

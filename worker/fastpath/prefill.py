@@ -250,18 +250,19 @@ class Passes:
     merged: dict[str, tuple[int, ...]]
 
     @classmethod
-    def of(cls, chunks: Sequence[Chunk], *, merge: bool) -> Passes:
+    def of(cls, masks: Sequence[Masks], *, merge: bool) -> Passes:
+        """From each chunk's LoRA masks (`Chunk.masks`), known before its tensors are built."""
         plain: list[int] = []
         merged: dict[str, list[int]] = {}
-        for j, c in enumerate(chunks):
-            adapter = None if is_mixed(c.masks) else only_adapter(c.masks)
+        for j, m in enumerate(masks):
+            adapter = None if is_mixed(m) else only_adapter(m)
             if merge and adapter is not None:
                 merged.setdefault(adapter, []).append(j)
             else:
                 plain.append(j)
         return cls(plain=tuple(plain), merged={a: tuple(js) for a, js in sorted(merged.items())})
 
-    def weights(self, layer: Layer, chunks: Sequence[Chunk], dense: Dense) -> Iterator[tuple[int, Dense, Masks]]:
+    def weights(self, layer: Layer, masks: Sequence[Masks], dense: Dense) -> Iterator[tuple[int, Dense, Masks]]:
         """(chunk, weights, LoRA masks) for every chunk through `layer`, on its weights `dense` (dequantised
         once): the plain chunks first, then each adapter's chunks on the weights with its LoRA merged -- a copy
         for all but the last adapter, which merges into the dequantised buffers themselves, no longer needed
@@ -270,11 +271,59 @@ class Passes:
         adapters = [a for a in self.merged if layer.mergeable(dense, a)]
         plain = sorted(self.plain + tuple(j for a, js in self.merged.items() if a not in adapters for j in js))
         for j in plain:
-            yield j, dense, chunks[j].masks
+            yield j, dense, masks[j]
         for n, adapter in enumerate(adapters):
             merged = layer.merge(dense, adapter, in_place=n == len(adapters) - 1)
             for j in self.merged[adapter]:
                 yield j, merged, []
+
+
+@dataclass(frozen=True)
+class Built:
+    """A chunk made ready for the layers: its tensors, its rotary tables, its hidden states so far."""
+
+    chunk: Chunk
+    rotary: Rotary
+    hidden: Hidden
+
+    @property
+    def held_bytes(self) -> int:
+        """What it holds between layers: hidden states, ids and cache columns; with a tail also its mask and
+        per-row rotary tables."""
+        c = self.chunk
+        held = self.hidden.nbytes + c.ids.nbytes + c.columns.nbytes
+        if c.tail is not None:
+            held += c.tail.mask.untyped_storage().nbytes() + self.rotary.nbytes
+        return held
+
+
+class GroupChunks:
+    """A layer-major group's chunks, each built when the first layer reaches it: the GPU starts on a chunk's
+    first layer while the host builds the next. Built all before the first layer, a take's first group kept the
+    GPU idle for the whole of their host work (numpy, staging, a tail's mask: ~35 ms on the H200's first choice
+    take)."""
+
+    def __init__(self, masks: Sequence[Masks], build: Callable[[int], Built]) -> None:
+        self.masks = masks
+        self._build = build
+        self._built: list[Built | None] = [None] * len(masks)
+        self.held_bytes = 0  # the chunks' held states together, as built (`Built.held_bytes`)
+
+    def get(self, j: int) -> Built:
+        b = self._built[j]
+        if b is None:
+            b = self._built[j] = self._build(j)
+            self.held_bytes += b.held_bytes
+        return b
+
+    def advance(self, j: int, hidden: Hidden) -> None:
+        """Chunk `j`'s hidden states after another layer."""
+        b = self._built[j]
+        assert b is not None
+        self._built[j] = Built(chunk=b.chunk, rotary=b.rotary, hidden=hidden)
+
+    def all(self) -> list[Built]:
+        return [self.get(j) for j in range(len(self.masks))]
 
 
 class Prefill:
@@ -440,8 +489,10 @@ class Prefill:
         width: int,
         pad_id: int,
         tails: Tails | None = None,
+        masks: Masks | None = None,
     ) -> Chunk:
-        """One chunk's tensors, each built for all its rows at once (its tail's tokens after its prompts)."""
+        """One chunk's tensors, each built for all its rows at once (its tail's tokens after its prompts);
+        `masks`: its rows' LoRA masks where already made (`row_masks`)."""
         s = self.stack
         device = s.device
         index = np.asarray(members, dtype=np.int64)
@@ -469,7 +520,7 @@ class Prefill:
             rows=rows,
             columns=columns,
             reads=host_to_device(reads, device),
-            masks=row_masks(part, s.dtype, device),
+            masks=row_masks(part, s.dtype, device) if masks is None else masks,
             slots=slots,
             tail=tail,
         )
@@ -514,27 +565,27 @@ class Prefill:
         function of its own so the group's chunk tensors and hidden states are let go on return, before the next
         group's are made."""
         s = self.stack
-        chunks = [self._chunk(prompts, [rows[i] for i in c], c, width, pad_id, tails) for c in group]
-        rotary = [self._rotary(c) for c in chunks]
-        hidden = [self._embedded(c) for c in chunks]
-        held = sum(h.nbytes + c.ids.nbytes + c.columns.nbytes for h, c in zip(hidden, chunks, strict=True))
-        # A tail's mask and its chunk's per-row rotary tables stay for every layer too.
-        held += sum(
-            c.tail.mask.untyped_storage().nbytes() + r.nbytes
-            for c, r in zip(chunks, rotary, strict=True)
-            if c.tail is not None
-        )
-        self.held_bytes = max(self.held_bytes, held)
-        passes = Passes.of(chunks, merge=self.merge_lora)
+        parts = [[rows[i] for i in c] for c in group]
+        masks = [row_masks(part, s.dtype, s.device) for part in parts]
+
+        def build(j: int) -> Built:
+            c = self._chunk(prompts, parts[j], group[j], width, pad_id, tails, masks[j])
+            return Built(chunk=c, rotary=self._rotary(c), hidden=self._embedded(c))
+
+        chunks = GroupChunks(masks, build)
+        passes = Passes.of(masks, merge=self.merge_lora)
         caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None] = kv if kv is not None else [None] * len(s.layers)
         for i, (layer, cache) in enumerate(zip(s.layers, caches, strict=True)):
-            self._through(i, layer, cache, chunks, hidden, passes, rotary)
+            self._through(i, layer, cache, chunks, passes)
+        self.held_bytes = max(self.held_bytes, chunks.held_bytes)
+        built = chunks.all()
         if tails is not None:
-            tails.finish(chunks, [h.x for h in hidden])
+            tails.finish([b.chunk for b in built], [b.hidden.x for b in built])
             return
         assert logits is not None
-        for c, h in zip(chunks, hidden, strict=True):
-            logits[c.where] = s.head(h.x[:, 0])  # the last layer kept only the read columns, the last prompt's first
+        for b in built:
+            # The last layer kept only the read columns, the last prompt's first.
+            logits[b.chunk.where] = s.head(b.hidden.x[:, 0])
 
     def _embedded(self, c: Chunk) -> Hidden:
         s = self.stack
@@ -560,19 +611,19 @@ class Prefill:
         i: int,
         layer: Layer,
         cache: tuple[torch.Tensor, torch.Tensor] | None,
-        chunks: Sequence[Chunk],
-        hidden: list[Hidden],
+        chunks: GroupChunks,
         passes: Passes,
-        rotary: Sequence[Rotary],
     ) -> None:
         """Every chunk through layer `i`, its hidden states replaced by the layer's output (after the last layer:
-        only at the columns read, `Chunk.reads`). A function of its own so the layer's dequantised weights are
-        let go on return, before the next layer's are made (a loop variable would keep them alive meanwhile: a
-        layer's worth of weights more than the planner counts)."""
+        only at the columns read, `Chunk.reads`); the first layer builds each chunk as it reaches it. A function
+        of its own so the layer's dequantised weights are let go on return, before the next layer's are made (a
+        loop variable would keep them alive meanwhile: a layer's worth of weights more than the planner counts)."""
         dense = layer.dense()
         final = i == len(self.stack.layers) - 1
-        for j, weights, masks in passes.weights(layer, chunks, dense):
-            hidden[j] = self._layer(i, layer, cache, chunks[j], hidden[j], weights, masks, rotary[j], final=final)
+        for j, weights, masks in passes.weights(layer, chunks.masks, dense):
+            b = chunks.get(j)
+            hidden = self._layer(i, layer, cache, b.chunk, b.hidden, weights, masks, b.rotary, final=final)
+            chunks.advance(j, hidden)
 
     def _layer(
         self,
