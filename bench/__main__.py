@@ -1,5 +1,5 @@
-"""`python -m bench {engine|nightly|fastpath|mixed|timeline|gaps|multigpu|kernels|variants|nf4fused|prefill|shapes|submit|
-soak|recovery}`."""
+"""`python -m bench {engine|nightly|fastpath|mixed|timeline|gaps|multigpu|kernels|variants|nf4fused|prefill|shapes|
+submit|soak|recovery}`."""
 
 from __future__ import annotations
 

@@ -76,3 +76,67 @@ def test_the_counts_to_warm_are_the_blocks_multiples() -> None:
     assert counts[0] == gemm.ROW_BLOCK and counts[-1] == 8192
     assert all(b - a == gemm.ROW_BLOCK for a, b in itertools.pairwise(counts))
     assert gemm.row_counts(8192, torch.device("cpu")) == []
+
+
+@pytest.mark.parametrize("rows", [9, 17, 23, 41])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_an_input_with_room_runs_as_one_matmul_over_its_padded_rows(
+    blocked_rows: list[int], rows: int, with_bias: bool
+) -> None:
+    torch.manual_seed(rows)
+    padded = gemm.padded_rows(rows, BLOCK)
+    assert padded % BLOCK == 0 and rows < padded < rows + BLOCK
+    buffer = torch.full((padded, 12), float("nan"), dtype=torch.float64)  # the room's values never reach a row
+    x = buffer[:rows]
+    x.copy_(torch.randn(rows, 12, dtype=torch.float64))
+    w = torch.randn(5, 12, dtype=torch.float64)
+    bias = torch.randn(5, dtype=torch.float64) if with_bias else None
+    out = gemm.blocked_linear(x.view(1, rows, 12), w, bias, BLOCK)
+    assert blocked_rows == [padded]
+    assert out.shape == (1, rows, 5)
+    torch.testing.assert_close(out[0], F.linear(x, w, bias))
+    # Its output keeps the room: the next matmul over it runs as one too.
+    gemm.blocked_linear(out, torch.randn(3, 5, dtype=torch.float64), None, BLOCK)
+    assert blocked_rows == [padded, padded]
+
+
+def test_an_input_without_room_or_with_strided_rows_runs_in_two(blocked_rows: list[int]) -> None:
+    w = torch.randn(5, 12, dtype=torch.float64)
+    gemm.blocked_linear(torch.randn(23, 12, dtype=torch.float64), w, None, BLOCK)  # its storage ends at its rows
+    assert blocked_rows == [16, 8]
+    strided = torch.randn(40, 24, dtype=torch.float64)[:23, :12]  # room, but rows 24 apart
+    out = gemm.blocked_linear(strided, w, None, BLOCK)
+    assert blocked_rows == [16, 8, 16, 8]
+    torch.testing.assert_close(out, F.linear(strided, w))
+
+
+@pytest.mark.parametrize("rows", [13, 29])
+def test_add_matmul_with_room_adds_each_row_once(rows: int) -> None:
+    torch.manual_seed(rows)
+    padded = gemm.padded_rows(rows, BLOCK)
+    result = torch.zeros(padded, 7, dtype=torch.float64)[:rows]
+    result.copy_(torch.randn(rows, 7, dtype=torch.float64))
+    low = torch.full((padded, 2), float("nan"), dtype=torch.float64)[:rows]
+    low.copy_(torch.randn(rows, 2, dtype=torch.float64))
+    b = torch.randn(2, 7, dtype=torch.float64)
+    expected = result + low @ b
+    assert gemm.blocked_add_matmul_(result, low, b, BLOCK) is result
+    torch.testing.assert_close(result, expected)
+
+
+def test_empty_rows_hold_room_only_inside_row_blocks_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    with gemm.row_blocks(), torch.inference_mode():
+        t = gemm.empty_rows(3, 100, 4, dtype=torch.float32, device=cpu)
+        assert t.shape == (3, 100, 4) and t.untyped_storage().nbytes() == 300 * 4 * 4  # the CPU: none
+    # The allocation a GPU gets, on the CPU: 300 rows hold room up to 512 (the block's next multiple).
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *shape, device, **kw: real_empty(*shape, **kw))
+    gpu = torch.device("cuda")
+    with gemm.row_blocks(), torch.inference_mode():
+        t = gemm.empty_rows(3, 100, 4, dtype=torch.float32, device=gpu)
+        assert t.shape == (3, 100, 4) and t.is_contiguous()
+        assert t.untyped_storage().nbytes() == gemm.padded_rows(300, gemm.ROW_BLOCK) * 4 * 4 == 512 * 16
+        assert gemm.empty_rows(2, 128, 4, dtype=torch.float32, device=gpu).untyped_storage().nbytes() == 256 * 16
+    with torch.inference_mode():
+        assert gemm.empty_rows(3, 100, 4, dtype=torch.float32, device=gpu).untyped_storage().nbytes() == 300 * 16

@@ -29,9 +29,12 @@ SAFETY_FACTOR = 1.4
 # 4,096-token chunk's transients peaked ~340 MiB above its group's held states and first-token logits, whether
 # its rows used one adapter or both (LoRA masked per row), one layer's dequantised weights (~89 MiB) included.
 # The activation estimate (`prefill_bytes_per_token`, ~282 MiB for such a chunk) is itself above the measured
-# ~250 MiB; this margin on it, with two layers' weights exact, sets aside ~503 MiB (the safety factor on all of
-# it set aside 802 MiB: ~18 rows of a Kev take's 512-token cache).
+# ~250 MiB; this margin on it (with the rows' room, `PREFILL_ROW_BLOCK`), two layers' weights exact, sets aside
+# ~523 MiB (the safety factor on all of it set aside 802 MiB: ~18 rows of a Kev take's 512-token cache).
 PREFILL_MARGIN = 1.15
+# Prefill's matmuls run at row counts that are multiples of this block (worker/fastpath/gemm.py), and a chunk's
+# activations hold room for their rows up to the next multiple: what a chunk sets aside counts that many tokens more.
+PREFILL_ROW_BLOCK = 256
 # A decode graph's own per-row buffers over its cache length (worker/fastpath/graphs.py State): the chosen
 # tokens (int64), their log-probabilities (float32) and the attention mask (bool).
 STATE_BYTES_PER_CACHE_TOKEN = 8 + 4 + 1
@@ -228,7 +231,8 @@ def prefill_chunk_bytes(
     weights = (1 if flash and one_adapter else 2) * shape.layer_weight_bytes(dtype_bytes)
     activations = chunk_tokens * shape.prefill_bytes_per_token(dtype_bytes)
     if flash:
-        return int(activations * PREFILL_MARGIN) + weights
+        room = PREFILL_ROW_BLOCK * shape.prefill_bytes_per_token(dtype_bytes)  # its rows padded to the block
+        return int((activations + room) * PREFILL_MARGIN) + weights
     chunk = activations + chunk_tokens * shape.kv_bytes_per_token(dtype_bytes) + weights
     chunk += max(1, chunk_tokens // max(1, input_tokens)) * shape.attention_bytes_per_row(input_tokens)
     return int(chunk * SAFETY_FACTOR)

@@ -9,19 +9,28 @@ the block of rows ending at its last row (overlapping the first part; those rows
 values). Both have a count drawn from the multiples of the block, so a worker meets at most (most rows / block)
 shapes per projection, whatever its prompts, and the warm-up meets them first (`row_counts`). The cost is one
 launch and at most a block of rows more per matmul: cuBLAS computes its rows in tiles of 64-256 anyway.
+
+Where the input's storage already holds rows up to the next multiple of the block -- prefill's activations are
+allocated so (`empty_rows`: the norms', SiLU x up's and every blocked matmul's outputs) -- the matmul runs as one,
+over those padded rows, and their outputs are dropped: a chunk's layer step launches three matmuls fewer, each
+tens of microseconds of host time while the GPU waits on the host (`python -m bench gaps`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 
-# Rows per block: a multiple of cuBLAS's row tiles, small beside a prefill chunk (4096-8192 tokens).
-ROW_BLOCK = 256
+from worker.memory import PREFILL_ROW_BLOCK
+
+# Rows per block: a multiple of cuBLAS's row tiles, small beside a prefill chunk (4096-8192 tokens); the planner
+# counts a chunk's room for its padded rows (`worker.memory.prefill_chunk_bytes`).
+ROW_BLOCK = PREFILL_ROW_BLOCK
 
 # Whether matmuls run in row blocks here: inside prefill (`row_blocks`). A decode step's matmuls meet their few
 # row counts once, when its graph is captured.
@@ -67,20 +76,54 @@ def body_rows(rows: int, block: int | None) -> int | None:
     return rows - rows % block
 
 
+def padded_rows(rows: int, block: int | None) -> int:
+    """The rows an activation of `rows` rows holds room for: up to the next multiple of `block` where a matmul
+    of it splits (`body_rows`), else `rows`."""
+    body = body_rows(rows, block)
+    return rows if block is None or body is None else body + block
+
+
+def empty_rows(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A fresh tensor of `shape` (its rows all but the last dimension), its storage holding rows up to the next
+    multiple of the block inside `row_blocks` on a GPU (`padded_rows`): a matmul over it runs as one."""
+    features = shape[-1]
+    rows = math.prod(shape[:-1])
+    block = ROW_BLOCK if device.type == "cuda" and _blocks.get() and not torch.is_grad_enabled() else None
+    room = padded_rows(rows, block)
+    if room == rows:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty(room, features, dtype=dtype, device=device)[:rows].view(shape)
+
+
+def with_room(flat: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """`flat` (M, features) as (rows, features), rows >= M, where its rows are contiguous and its storage holds
+    the rows past M (their values are whatever is there: only their own outputs read them); else None."""
+    features = flat.shape[1]
+    if flat.stride() != (features, 1):
+        return None
+    if flat.untyped_storage().nbytes() < (flat.storage_offset() + rows * features) * flat.element_size():
+        return None
+    return flat.as_strided((rows, features), (features, 1))
+
+
 def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block: int | None) -> torch.Tensor:
-    """x W^T (+ bias) over x's last dimension, as (M rows) one matmul where it runs whole (`body_rows`), else as
-    the rows up to the last multiple of `block` and the `block` rows ending at the last one, written into one
-    output."""
+    """x W^T (+ bias) over x's last dimension, as (M rows) one matmul where it runs whole (`body_rows`); else
+    over x's padded rows as one where its storage holds them (`with_room`), or as the rows up to the last
+    multiple of `block` and the `block` rows ending at the last one. The output holds the padded rows' room."""
     features = x.shape[-1]
     rows = x.numel() // max(1, features)
     body = body_rows(rows, block)
     if block is None or body is None:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, features)
-    out = flat.new_empty(rows, weight.shape[0])
-    _matmul_into(out[:body], flat[:body], weight, bias)
-    _matmul_into(out[rows - block :], flat[rows - block :], weight, bias)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    out = flat.new_empty(body + block, weight.shape[0])
+    whole = with_room(flat, body + block)
+    if whole is not None:
+        _matmul_into(out, whole, weight, bias)
+    else:
+        _matmul_into(out[:body], flat[:body], weight, bias)
+        _matmul_into(out[rows - block : rows], flat[rows - block :], weight, bias)
+    return out[:rows].view(*x.shape[:-1], weight.shape[0])
 
 
 def _matmul_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -99,11 +142,16 @@ def add_matmul_(result: torch.Tensor, low: torch.Tensor, b: torch.Tensor) -> tor
 
 
 def blocked_add_matmul_(result: torch.Tensor, low: torch.Tensor, b: torch.Tensor, block: int | None) -> torch.Tensor:
-    """`add_matmul_` with the row block given (None: one `addmm_`)."""
+    """`add_matmul_` with the row block given (None: one `addmm_`); over the padded rows as one where both
+    `result`'s and `low`'s storage hold them (`with_room`)."""
     rows = result.shape[0]
     body = body_rows(rows, block)
     if block is None or body is None:
         return result.addmm_(low, b)
+    whole, low_whole = with_room(result, body + block), with_room(low, body + block)
+    if whole is not None and low_whole is not None:
+        whole.addmm_(low_whole, b)
+        return result
     result[:body].addmm_(low[:body], b)
     last = torch.addmm(result[rows - block :], low[rows - block :], b)
     result[body:] = last[block - (rows - body) :]

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from worker.fastpath import gemm
+
 try:
     import triton
 except ImportError:  # CPU-only installs
@@ -238,7 +240,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g, u = gate.reshape(-1, features), up.reshape(-1, features)
     if g.stride(-1) != 1 or u.stride(-1) != 1:
         g, u = g.contiguous(), u.contiguous()
-    out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
+    # The down projection's input: room for its padded rows (`gemm.empty_rows`).
+    out = gemm.empty_rows(*g.shape, dtype=gate.dtype, device=gate.device)
     block = 1024
     grid = (g.shape[0], cdiv(features, block))
     with on_device(gate.device):
@@ -256,7 +259,7 @@ def add_rms(
     if a.stride(-1) != 1 or b.stride(-1) != 1:
         a, b = a.contiguous(), b.contiguous()
     total = torch.empty(a.shape, dtype=h.dtype, device=h.device)
-    normed = torch.empty_like(total)
+    normed = gemm.empty_rows(*a.shape, dtype=h.dtype, device=h.device)  # the next matmul's input (`gemm.empty_rows`)
     with on_device(h.device):
         ADD_RMS(
             (a.shape[0], 1), a, b, weight, total, normed, features, a.stride(0), b.stride(0), eps,

@@ -245,7 +245,9 @@ def fused_delta(
     `addmm` first copies it whole (a prefill chunk's gate/up output is ~147 MiB, held twice at the peak)."""
     low = linear(x, a)
     if mask is not None:
-        low = low * mask
+        # In place where the product keeps low's dtype: a fresh output, whose storage keeps its padded rows'
+        # room (`gemm.empty_rows`).
+        low = low.mul_(mask) if torch.promote_types(low.dtype, mask.dtype) == low.dtype else low * mask
     low = low.reshape(-1, low.shape[-1])
     if result.is_contiguous():
         add_matmul_(result.view(-1, result.shape[-1]), low, b.t())
