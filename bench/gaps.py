@@ -106,24 +106,26 @@ class Trace:
 
     def busy(self) -> list[Span]:
         """The GPU's busy time: every kernel, copy and memset merged into disjoint spans."""
-        spans: list[Span] = []
+        return [span for span, _ in self._spans()]
+
+    def _spans(self) -> list[tuple[Span, GpuEvent]]:
+        """The busy spans, each with the event that started it (the earliest; the first in the trace on a tie)."""
+        spans: list[tuple[Span, GpuEvent]] = []
         for g in self.gpu:
-            if spans and g.start_us <= spans[-1].end_us:
-                if g.end_us > spans[-1].end_us:
-                    spans[-1] = Span(spans[-1].start_us, g.end_us)
+            if spans and g.start_us <= spans[-1][0].end_us:
+                span, first = spans[-1]
+                if g.end_us > span.end_us:
+                    spans[-1] = (Span(span.start_us, g.end_us), first)
             else:
-                spans.append(Span(g.start_us, g.end_us))
+                spans.append((Span(g.start_us, g.end_us), g))
         return spans
 
     def gaps(self) -> list[Gap]:
         """Every idle stretch between two busy spans, with the launch of the work that ended it."""
-        ends_by_start = {g.start_us: g for g in self.gpu}  # the first event of a span starts it
-        spans = self.busy()
         out: list[Gap] = []
-        for before, after in itertools.pairwise(spans):
-            first = ends_by_start.get(after.start_us)
+        for (before, _), (after, first) in itertools.pairwise(self._spans()):
             launched = None
-            if first is not None and first.correlation is not None and first.correlation in self.launches:
+            if first.correlation is not None and first.correlation in self.launches:
                 launched = self.launches[first.correlation][0]
             out.append(Gap(before.end_us, after.start_us, launched))
         return out

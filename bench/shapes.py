@@ -49,8 +49,13 @@ def layer_matmuls(shape: TinyShape, device: str, dtype: torch.dtype, high: int, 
     act = torch.randn(high, shape.intermediate, device=device, dtype=dtype)
 
     def run(tokens: int) -> None:
-        blocked_linear(x[:tokens], w_qkv, b_qkv, block)
-        blocked_linear(x[:tokens], w_o, None, block)
+        # As prefill's inputs are laid out: the q/k/v and output projections' inputs (the held normed states,
+        # the attention's output) end where their storage ends, so their blocked matmuls run in two; gate/up's
+        # and down's (transient kernel outputs) hold room for their rows up to the next block (`gemm.empty_rows`)
+        # and run as one. Without blocks every input is read as it is.
+        tight = x[high - tokens :]
+        blocked_linear(tight, w_qkv, b_qkv, block)
+        blocked_linear(tight, w_o, None, block)
         blocked_linear(x[:tokens], w_gate_up, None, block)
         blocked_linear(act[:tokens], w_down, None, block)
 

@@ -94,3 +94,20 @@ def test_a_trace_without_gpu_work_says_so() -> None:
 def test_off_a_gpu_it_stops_with_one_line() -> None:
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         main(["--device", "cpu"])
+
+
+def test_contained_touching_and_tied_gpu_work_merge_and_the_first_event_ends_a_gap() -> None:
+    trace = Trace.of(
+        [
+            kernel(0, 100, 1),
+            kernel(10, 20, 2),  # inside the first
+            kernel(100, 10, 3),  # touching its end
+            kernel(200, 5, 4),
+            kernel(200, 50, 5),  # the same start: the first in the trace ends the gap
+            launch(150, 4),
+            launch(160, 5),
+        ]
+    )
+    assert [(s.start_us, s.end_us) for s in trace.busy()] == [(0, 110), (200, 250)]
+    [gap] = trace.gaps()
+    assert (gap.start_us, gap.end_us, gap.launched_us) == (110, 200, 150)

@@ -120,8 +120,23 @@ def test_add_matmul_with_room_adds_each_row_once(rows: int) -> None:
     low.copy_(torch.randn(rows, 2, dtype=torch.float64))
     b = torch.randn(2, 7, dtype=torch.float64)
     expected = result + low @ b
-    assert gemm.blocked_add_matmul_(result, low, b, BLOCK) is result
+    assert gemm.blocked_add_matmul_(result, low, b, BLOCK, owns_rows=True) is result
     torch.testing.assert_close(result, expected)
+
+
+def test_add_matmul_never_writes_past_its_rows_unless_it_owns_them(blocked_rows: list[int]) -> None:
+    """A view into a larger tensor: the rows after it are someone else's data, and stay as they were."""
+    torch.manual_seed(0)
+    big = torch.randn(16, 7, dtype=torch.float64)
+    after = big[13:].clone()
+    result = big[:13]
+    low, b = torch.randn(13, 2, dtype=torch.float64), torch.randn(2, 7, dtype=torch.float64)
+    low_room = torch.full((16, 2), float("nan"), dtype=torch.float64)  # its room: garbage
+    low_room[:13] = low
+    expected = result + low @ b
+    gemm.blocked_add_matmul_(result, low_room[:13], b, BLOCK)
+    torch.testing.assert_close(result, expected)
+    assert torch.equal(big[13:], after)
 
 
 def test_empty_rows_hold_room_only_inside_row_blocks_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

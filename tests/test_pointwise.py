@@ -107,9 +107,9 @@ def test_prefill_runs_the_kernels_decode_steps_only_when_asked_and_tokens_stay_t
 
         calls = {"rope": 0, "silu_mul": 0, "add_rms": 0}
         for name in calls:
-            def counted(*args, _fn=getattr(pointwise, name), _name=name):
+            def counted(*args, _fn=getattr(pointwise, name), _name=name, **kw):
                 calls[_name] += 1
-                return _fn(*args)
+                return _fn(*args, **kw)
             setattr(pointwise, name, counted)
         config = load_config(sys.argv[1])
         plain_engine = Engine(config, device="cpu", decode="static")

@@ -636,3 +636,26 @@ def test_the_first_layer_builds_each_chunk_as_it_reaches_it(
     assert [r for _, r in first[0::2]] == [r for _, r in first[1::2]]
     assert [e[0] for e in first[1::2]] == ["layer 0"] * len(group)
     assert sum(e[0] == "build" for e in events) == len(group)
+
+
+def test_states_held_between_layers_hold_no_room(decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each layer step's first norm output (the MLP's input, let go within the step) may hold room for padded rows
+    (`gemm.empty_rows`); its last (the next layer's input, held while the group's other chunks run) never does:
+    the planner counts held states exactly."""
+    from worker.fastpath.ops import Ops
+
+    rooms: list[bool] = []
+    real = Ops.add_norm
+
+    def spy(self: Ops, h: torch.Tensor, delta: torch.Tensor, norm: Any, *, room: bool = True) -> Any:
+        rooms.append(room)
+        return real(self, h, delta, norm, room=room)
+
+    monkeypatch.setattr(Ops, "add_norm", spy)
+    rows = decode_rows()
+    width = max(len(r.ids) for r in rows)
+    kv = fresh_kv(decoder, len(rows), width + 4)
+    with torch.inference_mode():
+        decoder.prefill.run(kv, rows, width=width, out_rows=len(rows), pad_id=0, select=_no_fallback)
+    steps = len(decoder.stack.layers) * len(decoder.prefill.chunks(rows, width, 0))
+    assert rooms == [True, False] * steps

@@ -10,10 +10,13 @@ values). Both have a count drawn from the multiples of the block, so a worker me
 shapes per projection, whatever its prompts, and the warm-up meets them first (`row_counts`). The cost is one
 launch and at most a block of rows more per matmul: cuBLAS computes its rows in tiles of 64-256 anyway.
 
-Where the input's storage already holds rows up to the next multiple of the block -- prefill's activations are
-allocated so (`empty_rows`: the norms', SiLU x up's and every blocked matmul's outputs) -- the matmul runs as one,
-over those padded rows, and their outputs are dropped: a chunk's layer step launches three matmuls fewer, each
-tens of microseconds of host time while the GPU waits on the host (`python -m bench gaps`).
+Where the input's storage already holds rows up to the next multiple of the block -- prefill's transient
+activations are allocated so (`empty_rows`: the MLP's normed input, SiLU x up's output and every blocked matmul's
+output) -- the matmul runs as one, over those padded rows, and their outputs are dropped: a chunk's layer step
+launches two matmuls fewer (gate/up and down), each tens of microseconds of host time while the GPU waits on the
+host (`python -m bench gaps`). The states held between layers (the next layer's normed input) hold no room: the
+planner counts them exactly, and q/k/v's matmul runs in two, as does the output projection's (its input is the
+attention's own output).
 """
 
 from __future__ import annotations
@@ -133,22 +136,26 @@ def _matmul_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
         torch.addmm(bias, x, weight.t(), out=out)
 
 
-def add_matmul_(result: torch.Tensor, low: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def add_matmul_(result: torch.Tensor, low: torch.Tensor, b: torch.Tensor, *, owns_rows: bool = False) -> torch.Tensor:
     """`result += low @ b` in place, `result` (M, N) contiguous rows, `low` (M, R), `b` (R, N): in blocks of rows
     on a GPU as `blocked_linear` runs its matmuls -- the rows past the last multiple of the block take their sum
     from the block of rows ending at the last one, made apart and copied in (adding in place twice would count
-    the overlap twice; one `addmm` rounds the sum once, as `addmm_` does)."""
-    return blocked_add_matmul_(result, low, b, block_of(result))
+    the overlap twice; one `addmm` rounds the sum once, as `addmm_` does). `owns_rows`: the rows past `result`'s
+    in its storage are its own padding, nobody's data (a fresh matmul output), so the sum may run over them too."""
+    return blocked_add_matmul_(result, low, b, block_of(result), owns_rows=owns_rows)
 
 
-def blocked_add_matmul_(result: torch.Tensor, low: torch.Tensor, b: torch.Tensor, block: int | None) -> torch.Tensor:
-    """`add_matmul_` with the row block given (None: one `addmm_`); over the padded rows as one where both
-    `result`'s and `low`'s storage hold them (`with_room`)."""
+def blocked_add_matmul_(
+    result: torch.Tensor, low: torch.Tensor, b: torch.Tensor, block: int | None, *, owns_rows: bool = False
+) -> torch.Tensor:
+    """`add_matmul_` with the row block given (None: one `addmm_`); over the padded rows as one where `result`
+    owns the rows past its own (`owns_rows`: they are written) and both storages hold them (`with_room`)."""
     rows = result.shape[0]
     body = body_rows(rows, block)
     if block is None or body is None:
         return result.addmm_(low, b)
-    whole, low_whole = with_room(result, body + block), with_room(low, body + block)
+    whole = with_room(result, body + block) if owns_rows else None
+    low_whole = with_room(low, body + block)
     if whole is not None and low_whole is not None:
         whole.addmm_(low_whole, b)
         return result

@@ -166,11 +166,11 @@ class Ops:
                 return out.transpose(1, 2)
         return self.rotary(qk.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))
 
-    def _ours(self, kernel: Callable[..., Any], *args: Any) -> Any:
+    def _ours(self, kernel: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`kernel(*args)`, or None once it failed (logged once; the compiled or eager functions compute the
         same from then on). The first call of each is in the engine's warm-up, outside any graph capture."""
         try:
-            return kernel(*args)
+            return kernel(*args, **kwargs)
         except torch.OutOfMemoryError:
             raise
         except Exception:  # a Triton build or launch failure on this device: ours are an optional speed-up
@@ -184,11 +184,18 @@ class Ops:
         return norm(h)
 
     def add_norm(
-        self, h: torch.Tensor, delta: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        h: torch.Tensor,
+        delta: torch.Tensor,
+        norm: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        room: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual sum and the norm of it; `room`: the norm's output may hold room for its padded rows
+        (`pointwise.add_rms`; False for states held between prefill's layers, which the planner counts exactly)."""
         if isinstance(norm, RMSNorm):
             if self.norm_kernel and self.kernels and pointwise.add_rms_fits(h, delta, norm.weight):
-                out = self._ours(pointwise.add_rms, h, delta, norm.weight, norm.eps)
+                out = self._ours(pointwise.add_rms, h, delta, norm.weight, norm.eps, room=room)
                 if out is not None:
                     return out
             return self.add_rms(h, delta, norm.weight, norm.eps)

@@ -250,16 +250,18 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def add_rms(
-    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *, room: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual sum h + delta and its RMSNorm scaled by `weight` (`ops.add_rms`' arithmetic, the sum of
-    squares in another order), for same-shaped (..., N) tensors with contiguous features; both fresh tensors."""
+    squares in another order), for same-shaped (..., N) tensors with contiguous features; both fresh tensors.
+    `room`: the norm's output (the next matmul's input) holds room for its padded rows (`gemm.empty_rows`)."""
     features = h.shape[-1]
     a, b = h.reshape(-1, features), delta.reshape(-1, features)
     if a.stride(-1) != 1 or b.stride(-1) != 1:
         a, b = a.contiguous(), b.contiguous()
     total = torch.empty(a.shape, dtype=h.dtype, device=h.device)
-    normed = gemm.empty_rows(*a.shape, dtype=h.dtype, device=h.device)  # the next matmul's input (`gemm.empty_rows`)
+    allocate = gemm.empty_rows if room else torch.empty
+    normed = allocate(*a.shape, dtype=h.dtype, device=h.device)
     with on_device(h.device):
         ADD_RMS(
             (a.shape[0], 1), a, b, weight, total, normed, features, a.stride(0), b.stride(0), eps,

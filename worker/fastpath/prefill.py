@@ -575,9 +575,11 @@ class Prefill:
         chunks = GroupChunks(masks, build)
         passes = Passes.of(masks, merge=self.merge_lora)
         caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None] = kv if kv is not None else [None] * len(s.layers)
-        for i, (layer, cache) in enumerate(zip(s.layers, caches, strict=True)):
-            self._through(i, layer, cache, chunks, passes)
-        self.held_bytes = max(self.held_bytes, chunks.held_bytes)
+        try:
+            for i, (layer, cache) in enumerate(zip(s.layers, caches, strict=True)):
+                self._through(i, layer, cache, chunks, passes)
+        finally:  # what the group held as far as it got, even where a layer failed
+            self.held_bytes = max(self.held_bytes, chunks.held_bytes)
         built = chunks.all()
         if tails is not None:
             tails.finish([b.chunk for b in built], [b.hidden.x for b in built])
@@ -624,6 +626,7 @@ class Prefill:
             b = chunks.get(j)
             hidden = self._layer(i, layer, cache, b.chunk, b.hidden, weights, masks, b.rotary, final=final)
             chunks.advance(j, hidden)
+            del b, hidden  # the chunk's states before this layer, let go before the next chunk is built
 
     def _layer(
         self,

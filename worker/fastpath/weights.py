@@ -250,7 +250,7 @@ def fused_delta(
         low = low.mul_(mask) if torch.promote_types(low.dtype, mask.dtype) == low.dtype else low * mask
     low = low.reshape(-1, low.shape[-1])
     if result.is_contiguous():
-        add_matmul_(result.view(-1, result.shape[-1]), low, b.t())
+        add_matmul_(result.view(-1, result.shape[-1]), low, b.t(), owns_rows=True)
         return result
     return torch.addmm(result.reshape(-1, result.shape[-1]), low, b.t()).view(result.shape)
 
@@ -583,4 +583,6 @@ class Stack:
         """The MLP, its residual, and the next norm's output (the second half of `rest`)."""
         ops = ops or self.ops
         (gate, up), _ = layer.gate_up(x, masks, dense[2])
-        return ops.add_norm(h, layer.down(ops.act_mul(layer.act, gate, up), masks, dense[3]), next_norm)
+        # The next layer's input, held between prefill's layers: no room for padded rows (its matmul runs in two).
+        down = layer.down(ops.act_mul(layer.act, gate, up), masks, dense[3])
+        return ops.add_norm(h, down, next_norm, room=False)
