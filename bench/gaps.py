@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory-budget", default="6GiB")
     parser.add_argument("--rows", default="256,344", help="the takes' sizes, run in this order")
     parser.add_argument(
-        "--only", default="choices,nightly", help="workloads (bench prefill's): nightly,long,choices,mixed"
+        "--only", default="choices,nightly", help="bench prefill's workloads: nightly,long,choices,mixed,mixed-choices"
     )
     parser.add_argument("--top", type=int, default=25, help="gaps listed one by one")
     parser.add_argument("--out", default="bench/out")

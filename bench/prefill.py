@@ -8,8 +8,9 @@ workload, a warm-up run and `--repeats` timed runs of the engine generating one 
 outputs), reported as prompt tokens per second of the median run, beside the engine's phases (`prefill`, or
 `score` for choices; `decode_steps` counts the takes). Workloads: `nightly` (nightly-2000's 128-256-token Laya
 prompts), `long` (Kev prompts cut at the 1,024-token input limit) and `choices` (the nightly prompts with 3
-labels scored inside the prefill, the choices' steps compiled in every variant) and `mixed` (the
-nightly prompts, every other row Kev: each chunk holds both adapters, their LoRA masked per row). On CUDA each
+labels scored inside the prefill, the choices' steps compiled in every variant), `mixed` (the
+nightly prompts, every other row Kev: each chunk holds both adapters, their LoRA masked per row) and, named with
+`--only`, `mixed-choices` (`bench mixed`'s own choice jobs: prompts of 60-300 words). On CUDA each
 run also reports its peak allocation above the start (the reused KV pool not in it: prefill's transients, its
 held hidden states, the first-token logits) beside the held states and the plan's chunk set-aside. One new token a
 row keeps each take's KV small: a variant that plans more prefill memory costs generation takes more rows than
@@ -41,6 +42,7 @@ import torch
 from bench.common import append_results, hardware, model_dir, save_json, sync, write_config
 from bench.fastpath import kernel_profile
 from bench.mixed import CHOICES
+from bench.mixed import workloads as mixed_workloads
 from bench.nightly import workload
 from shared.job import Job
 from worker import planner
@@ -62,7 +64,9 @@ def workloads(engine: Engine, rows: int) -> dict[str, list[Job]]:
     choices = [replace(j, choices=tuple(CHOICES), max_new_tokens=None) for j in nightly]
     # Kev and Laya rows of the same lengths side by side: every chunk holds both adapters (LoRA masked per row).
     mixed = [replace(j, model="kev" if i % 2 else "laya") for i, j in enumerate(nightly)]
-    return {"nightly": nightly, "long": long, "choices": choices, "mixed": mixed}
+    # `bench mixed`'s own choice jobs (prompts of 60-300 words): the takes behind its choices figure, in one process.
+    cli = [Job.from_dict(d) for d in mixed_workloads(rows / 600 + 1e-6)["choices"][:rows]]
+    return {"nightly": nightly, "long": long, "choices": choices, "mixed": mixed, "mixed-choices": cli}
 
 
 def timed(engine: Engine, jobs: list[Job], device: str, repeats: int) -> dict[str, Any]:
@@ -188,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--groups", default="0,32768", help="layer-major group sizes (tokens; 0: each chunk alone)")
     parser.add_argument("--ops", default="compiled,kernels", help="compiled and/or kernels (ours)")
-    parser.add_argument("--only", default="nightly,long,choices,mixed", help="workloads to run")
+    parser.add_argument("--only", default="nightly,long,choices,mixed", help="workloads to run (also: mixed-choices)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--profile", action="store_true", help="CUDA: a kernel table per workload, first variant (kernels-prefill-*)"
@@ -249,7 +253,7 @@ def cell(r: dict[str, Any]) -> str:
 
 def phase(run: dict[str, Any]) -> str:
     """The engine phase that holds a workload's prompts: scoring runs its prefill inside `score`."""
-    return "score" if run["workload"] == "choices" else "prefill"
+    return "score" if run["workload"].endswith("choices") else "prefill"
 
 
 def ints(text: str) -> list[int]:

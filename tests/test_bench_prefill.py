@@ -61,3 +61,20 @@ def test_our_kernels_are_refused_where_they_do_not_run(tmp_path: Path, monkeypat
     monkeypatch.setattr(bench.common, "RESULTS_MD", tmp_path / "RESULTS.md")
     with pytest.raises(SystemExit, match="not available"):
         prefill.main(["--device", "cpu", "--shape", "tiny", "--rows", "4", "--ops", "kernels", "--out", str(tmp_path)])
+
+
+def test_the_mixed_benchs_own_choice_jobs_run_as_a_workload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mixed-choices`: the choice jobs `bench mixed` submits (its 60-300-word prompts, its labels), in one process."""
+    from bench.mixed import CHOICES
+    from bench.mixed import workloads as mixed_workloads
+
+    monkeypatch.setattr(bench.common, "RESULTS_MD", tmp_path / "RESULTS.md")
+    args = ["--device", "cpu", "--shape", "tiny", "--rows", "8", "--chunks", "512", "--groups", "1024"]
+    report = prefill.main(
+        [*args, "--ops", "compiled", "--only", "mixed-choices", "--repeats", "1", "--out", str(tmp_path)]
+    )
+    (run,) = report["runs"]
+    assert run["workload"] == "mixed-choices" and run["rows"] == 8
+    assert run["phases_s"]["score"] > 0 and "decode_steps" not in run["phases_s"]
+    jobs = mixed_workloads(8 / 600 + 1e-6)["choices"][:8]
+    assert [j["choices"] for j in jobs] == [CHOICES] * 8 and len(jobs) == 8
