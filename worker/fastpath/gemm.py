@@ -51,10 +51,15 @@ def row_blocks() -> Iterator[None]:
 
 
 def block_of(x: torch.Tensor) -> int | None:
-    """The row block a matmul of `x` runs in: `ROW_BLOCK` on a GPU inside `row_blocks` with gradients off (the
+    """The row block a matmul of `x` runs in (`block_on` its device)."""
+    return block_on(x.is_cuda)
+
+
+def block_on(is_cuda: bool) -> int | None:
+    """The row block matmuls run in here: `ROW_BLOCK` on a GPU inside `row_blocks` with gradients off (the
     blocks write into slices of one output, which autograd refuses), else None (whole; the CPU's libraries
     choose per call at no such cost)."""
-    return ROW_BLOCK if x.is_cuda and _blocks.get() and not torch.is_grad_enabled() else None
+    return ROW_BLOCK if is_cuda and _blocks.get() and not torch.is_grad_enabled() else None
 
 
 def row_counts(most_rows: int, device: torch.device) -> list[int]:
@@ -91,8 +96,7 @@ def empty_rows(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.T
     multiple of the block inside `row_blocks` on a GPU (`padded_rows`): a matmul over it runs as one."""
     features = shape[-1]
     rows = math.prod(shape[:-1])
-    block = ROW_BLOCK if device.type == "cuda" and _blocks.get() and not torch.is_grad_enabled() else None
-    room = padded_rows(rows, block)
+    room = padded_rows(rows, block_on(device.type == "cuda"))
     if room == rows:
         return torch.empty(shape, dtype=dtype, device=device)
     return torch.empty(room, features, dtype=dtype, device=device)[:rows].view(shape)
