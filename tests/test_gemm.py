@@ -71,11 +71,56 @@ def test_blocks_only_inside_row_blocks_and_never_on_the_cpu() -> None:
     torch.testing.assert_close(gemm.linear(torch.ones(300, 4), w), F.linear(torch.ones(300, 4), w))
 
 
-def test_the_counts_to_warm_are_the_blocks_multiples() -> None:
+def test_the_counts_to_warm_are_the_steps_below_the_block_then_its_multiples() -> None:
+    step = gemm.row_step(gemm.ROW_BLOCK)
+    assert step == gemm.ROW_BLOCK // 8
     counts = gemm.row_counts(8192, torch.device("cuda"))
-    assert counts[0] == gemm.ROW_BLOCK and counts[-1] == 8192
-    assert all(b - a == gemm.ROW_BLOCK for a, b in itertools.pairwise(counts))
+    small = [c for c in counts if c < gemm.ROW_BLOCK]
+    assert small == list(range(step, gemm.ROW_BLOCK, step))
+    large = counts[len(small) :]
+    assert large[0] == gemm.ROW_BLOCK and large[-1] == 8192
+    assert all(b - a == gemm.ROW_BLOCK for a, b in itertools.pairwise(large))
+    assert gemm.row_counts(100, torch.device("cuda")) == [c for c in small if c <= 100]
     assert gemm.row_counts(8192, torch.device("cpu")) == []
+
+
+SMALL_BLOCK = 64  # its step: 8 rows
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 13, 40, 63])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_below_the_block_a_matmul_runs_at_its_rows_rounded_up_to_the_step(
+    blocked_rows: list[int], rows: int, with_bias: bool
+) -> None:
+    """Without room, the input is copied into rows that hold it; the values are the plain matmul's."""
+    torch.manual_seed(rows)
+    step = gemm.row_step(SMALL_BLOCK)
+    padded = gemm.padded_rows(rows, SMALL_BLOCK)
+    assert padded % step == 0 and rows <= padded < rows + step
+    x, w = torch.randn(rows, 12, dtype=torch.float64), torch.randn(5, 12, dtype=torch.float64)
+    bias = torch.randn(5, dtype=torch.float64) if with_bias else None
+    out = gemm.blocked_linear(x, w, bias, SMALL_BLOCK)
+    assert blocked_rows == ([] if padded == rows else [padded])  # a count of its own runs as it is
+    assert out.shape == (rows, 5)
+    torch.testing.assert_close(out, F.linear(x, w, bias))
+
+
+def test_below_the_block_an_input_with_room_is_not_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    buffer = torch.full((16, 12), float("nan"), dtype=torch.float64)  # the room's values never reach a row
+    x = buffer[:13]
+    x.copy_(torch.randn(13, 12, dtype=torch.float64))
+    inputs: list[torch.Tensor] = []
+    real = gemm._matmul_into
+    monkeypatch.setattr(gemm, "_matmul_into", lambda out, a, w, b: inputs.append(a) or real(out, a, w, b))
+    w = torch.randn(5, 12, dtype=torch.float64)
+    out = gemm.blocked_linear(x, w, None, SMALL_BLOCK)
+    assert [a.shape[0] for a in inputs] == [16] and inputs[0].data_ptr() == x.data_ptr()
+    torch.testing.assert_close(out, F.linear(x, w))
+    # The output keeps its room: a sum into it over the padded rows, where it owns them, adds each row once.
+    low, b = torch.randn(13, 2, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64)
+    expected = out + low @ b
+    gemm.blocked_add_matmul_(out, low, b, SMALL_BLOCK, owns_rows=True)  # low has no room: at its own count
+    torch.testing.assert_close(out, expected)
 
 
 @pytest.mark.parametrize("rows", [9, 17, 23, 41])

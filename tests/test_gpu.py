@@ -206,9 +206,10 @@ def test_prefill_with_our_norm_kernel_decodes_as_without_it(tiny_models: Path) -
 def test_prefill_in_row_blocks_decodes_as_in_whole_matmuls(
     tiny_models: Path, monkeypatch: pytest.MonkeyPatch, blocked_rows: list[int]
 ) -> None:
-    """Prefill's matmuls in row blocks (`gemm`: here of 8 rows, so the tiny chunks split; 256 in the worker)
-    against whole matmuls, in bfloat16 with graphs replayed: the same tokens, log-probabilities within bfloat16
-    rounding (a block's rows may run in another kernel than the whole matmul's)."""
+    """Prefill's matmuls in row blocks (`gemm`: here of 64 rows, so the tiny chunks split and smaller counts run
+    rounded up to 8; 256 and 32 in the worker) against whole matmuls, in bfloat16 with graphs replayed: the same
+    tokens, log-probabilities within bfloat16 rounding (a block's rows may run in another kernel than the whole
+    matmul's)."""
     from worker.fastpath import gemm
 
     engine = bf16_engine(tiny_models, "models-bf16-blocks.toml")
@@ -216,12 +217,13 @@ def test_prefill_in_row_blocks_decodes_as_in_whole_matmuls(
     assert blocked_rows  # the warm-up's largest take ran its chunks in blocks of 256
     blocked_rows.clear()
     for adapters, rows, kw in bf16_batches(base):
-        monkeypatch.setattr(gemm, "ROW_BLOCK", 1 << 30)  # every matmul whole
-        want = decoder.decode(rows, **kw)
+        with monkeypatch.context() as whole:
+            whole.setattr(gemm, "block_on", lambda is_cuda: None)  # every matmul whole, at its own count
+            want = decoder.decode(rows, **kw)
         assert not blocked_rows
-        monkeypatch.setattr(gemm, "ROW_BLOCK", 8)
+        monkeypatch.setattr(gemm, "ROW_BLOCK", 64)
         got = decoder.decode(rows, **kw)
-        assert blocked_rows and all(m % 8 == 0 for m in blocked_rows), adapters  # the blocks ran
+        assert blocked_rows and all(m % 8 == 0 for m in blocked_rows), adapters  # the blocks and steps ran
         blocked_rows.clear()
         assert torch.equal(got.tokens, want.tokens), adapters
         torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0.05)

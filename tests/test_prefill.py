@@ -27,6 +27,7 @@ from worker.fastpath.graphs import KV
 from worker.fastpath.ops import causal_attention, repeat_kv
 from worker.fastpath.prefill import (
     GROUP_TOKENS,
+    HEAD_WARM_ROWS,
     MAX_CHUNK_TOKENS,
     Chunk,
     Passes,
@@ -264,7 +265,7 @@ def test_matmuls_in_row_blocks_give_the_same_cache_and_logits(
 
 
 @pytest.mark.parametrize("loop", THROUGH_GEMM, indirect=True)
-def test_the_warm_up_runs_a_layers_four_matmuls_at_each_row_count(
+def test_the_warm_up_runs_a_layers_four_matmuls_and_the_lm_head_at_each_row_count(
     decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert _tensors(decoder.stack.layers[0].dense())  # dequantised weights: its matmuls go through `gemm`
@@ -275,11 +276,12 @@ def test_the_warm_up_runs_a_layers_four_matmuls_at_each_row_count(
         seen.append(x.numel() // x.shape[-1])
         return real(x)
 
-    monkeypatch.setattr(gemm, "row_counts", lambda most, device: [5, 9])
+    monkeypatch.setattr(gemm, "row_counts", lambda most, device: [5, 9, HEAD_WARM_ROWS + 1])
     monkeypatch.setattr(gemm, "block_of", spy)
     with torch.inference_mode():
-        assert decoder.prefill.warm_row_counts() == 2
-    assert sorted(seen) == [5] * 4 + [9] * 4
+        assert decoder.prefill.warm_row_counts() == 3
+    # Four matmuls a count, and the LM head (a plain linear: through `gemm` too) up to its most rows.
+    assert sorted(seen) == [5] * 5 + [9] * 5 + [HEAD_WARM_ROWS + 1] * 4
 
 
 def test_the_last_layer_runs_its_projection_and_mlp_only_at_the_last_prompt_positions(

@@ -17,6 +17,12 @@ launches two matmuls fewer (gate/up and down), each tens of microseconds of host
 host (`python -m bench gaps`). The states held between layers (the next layer's normed input) hold no room: the
 planner counts them exactly, and q/k/v's matmul runs in two, as does the output projection's (its input is the
 attention's own output).
+
+Below a block, a matmul runs at its rows rounded up to an eighth of the block (`row_step`: 32 of 256): the last
+layer's read columns (a chunk's rows, times its choice tokens when scoring), the LM head's first-token logits and
+scoring slices. An input without room for them is copied into rows that hold it (a few MiB at most). Those counts
+are warmed too, so a fresh worker's first takes meet no new count there either (the first run of a scoring take
+left the GPU waiting ~2 ms on each such matmul, `python -m bench gaps`).
 """
 
 from __future__ import annotations
@@ -62,12 +68,23 @@ def block_on(is_cuda: bool) -> int | None:
     return ROW_BLOCK if is_cuda and _blocks.get() and not torch.is_grad_enabled() else None
 
 
+# Below the block, row counts are rounded up to the block over this (`row_step`).
+ROW_STEPS = 8
+
+
+def row_step(block: int) -> int:
+    """What a matmul's rows below `block` are rounded up to: an eighth of it (1 for blocks under 8: none)."""
+    return max(1, block // ROW_STEPS)
+
+
 def row_counts(most_rows: int, device: torch.device) -> list[int]:
-    """Every row count from the block up that `linear` runs matmuls of up to `most_rows` rows at: the block's
-    multiples (none off a GPU)."""
+    """Every row count that `linear` runs matmuls of up to `most_rows` rows at: the steps below the block, then
+    the block's multiples (none off a GPU)."""
     if device.type != "cuda":
         return []
-    return list(range(ROW_BLOCK, most_rows + 1, ROW_BLOCK))
+    step = row_step(ROW_BLOCK)
+    small = range(step, min(ROW_BLOCK, most_rows + 1), step)
+    return [*small, *range(ROW_BLOCK, most_rows + 1, ROW_BLOCK)]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,10 +102,16 @@ def body_rows(rows: int, block: int | None) -> int | None:
 
 
 def padded_rows(rows: int, block: int | None) -> int:
-    """The rows an activation of `rows` rows holds room for: up to the next multiple of `block` where a matmul
-    of it splits (`body_rows`), else `rows`."""
+    """The rows a matmul of `rows` rows runs over, and an activation of them holds room for: below `block`, up to
+    the next step (`row_step`); past it, up to the next multiple of `block` where the matmul splits (`body_rows`);
+    else `rows`."""
+    if block is None:
+        return rows
+    if rows < block:
+        step = row_step(block)
+        return -(-rows // step) * step
     body = body_rows(rows, block)
-    return rows if block is None or body is None else body + block
+    return rows if body is None else body + block
 
 
 def empty_rows(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -114,20 +137,25 @@ def with_room(flat: torch.Tensor, rows: int) -> torch.Tensor | None:
 
 
 def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block: int | None) -> torch.Tensor:
-    """x W^T (+ bias) over x's last dimension, as (M rows) one matmul where it runs whole (`body_rows`); else
-    over x's padded rows as one where its storage holds them (`with_room`), or as the rows up to the last
-    multiple of `block` and the `block` rows ending at the last one. The output holds the padded rows' room."""
+    """x W^T (+ bias) over x's last dimension, as (M rows) one matmul where M is a row count of its own
+    (`padded_rows` gives M back); else over x's padded rows as one where its storage holds them (`with_room`) or
+    M is below the block (x copied into rows that hold them), or as the rows up to the last multiple of `block`
+    and the `block` rows ending at the last one. The output holds the padded rows' room."""
     features = x.shape[-1]
     rows = x.numel() // max(1, features)
-    body = body_rows(rows, block)
-    if block is None or body is None:
+    padded = padded_rows(rows, block)
+    if block is None or padded == rows:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, features)
-    out = flat.new_empty(body + block, weight.shape[0])
-    whole = with_room(flat, body + block)
+    out = flat.new_empty(padded, weight.shape[0])
+    whole = with_room(flat, padded)
+    if whole is None and rows < block:
+        whole = flat.new_empty(padded, features)
+        whole[:rows].copy_(flat)
     if whole is not None:
         _matmul_into(out, whole, weight, bias)
     else:
+        body = rows - rows % block
         _matmul_into(out[:body], flat[:body], weight, bias)
         _matmul_into(out[rows - block : rows], flat[rows - block :], weight, bias)
     return out[:rows].view(*x.shape[:-1], weight.shape[0])
@@ -155,14 +183,17 @@ def blocked_add_matmul_(
     """`add_matmul_` with the row block given (None: one `addmm_`); over the padded rows as one where `result`
     owns the rows past its own (`owns_rows`: they are written) and both storages hold them (`with_room`)."""
     rows = result.shape[0]
-    body = body_rows(rows, block)
-    if block is None or body is None:
+    padded = padded_rows(rows, block)
+    if block is None or padded == rows:
         return result.addmm_(low, b)
-    whole = with_room(result, body + block) if owns_rows else None
-    low_whole = with_room(low, body + block)
+    whole = with_room(result, padded) if owns_rows else None
+    low_whole = with_room(low, padded)
     if whole is not None and low_whole is not None:
         whole.addmm_(low_whole, b)
         return result
+    body = body_rows(rows, block)
+    if body is None:  # below the block, without room: at its own count
+        return result.addmm_(low, b)
     result[:body].addmm_(low[:body], b)
     last = torch.addmm(result[rows - block :], low[rows - block :], b)
     result[body:] = last[block - (rows - body) :]

@@ -64,6 +64,10 @@ DEFAULT_GROUP_TOKENS = GROUP_TOKENS
 # again (0.360 / 0.325 s: a chunk's rows span more prompt lengths, and padding grows).
 MAX_CHUNK_TOKENS = 8192
 
+# The LM head's row counts warmed at start: a chunk's rows (its first-token logits) and scoring's slices of
+# positions; a chunk of more rows (prompts of under ~16 tokens) meets its count in its first take.
+HEAD_WARM_ROWS = 512
+
 # The chunk tokens memory allows now, beside a held group of this many prompt tokens (None: no figure).
 Room = Callable[[int], int | None]
 
@@ -416,10 +420,11 @@ class Prefill:
     @torch.inference_mode()
     def warm_row_counts(self) -> int:
         """A layer's four matmuls once at every row count prefill runs them at on a GPU (`gemm.row_counts`, up to
-        `max_tokens`: multiples of the block, which run whole), on zeros: cuBLAS's first call at a new count cost
-        ~1-2.5 ms on the H200 (`bench shapes`), paid here at start instead of by a fresh worker's first takes.
-        Single-adapter chunks run on merged weights of the same shapes; a mixed chunk's LoRA matmuls, and a single
-        prompt longer than a chunk, are left to their first take. Returns the counts warmed."""
+        `max_tokens`: the steps below the block and its multiples), and the LM head at those up to
+        `HEAD_WARM_ROWS` (first-token logits a chunk, scoring's slices), on zeros: cuBLAS's first call at a new
+        count cost ~1-2.5 ms on the H200 (`bench shapes`), paid here at start instead of by a fresh worker's first
+        takes. Single-adapter chunks run on merged weights of the same shapes; a mixed chunk's LoRA matmuls, and a
+        single prompt longer than a chunk, are left to their first take. Returns the counts warmed."""
         s = self.stack
         counts = gemm.row_counts(self.max_tokens, s.device)
         if not counts:
@@ -433,6 +438,8 @@ class Prefill:
             layer.o(x.new_zeros(1, rows, inner), [], dense[1])
             (gate, _), _ = layer.gate_up(x, [], dense[2])
             layer.down(gate.contiguous(), [], dense[3])  # the MLP's inner width, laid out as its activations
+            if rows <= HEAD_WARM_ROWS:
+                s.logits(x[0])
         return len(counts)
 
     def chunk_rows(
@@ -587,7 +594,7 @@ class Prefill:
         assert logits is not None
         for b in built:
             # The last layer kept only the read columns, the last prompt's first.
-            logits[b.chunk.where] = s.head(b.hidden.x[:, 0])
+            logits[b.chunk.where] = s.logits(b.hidden.x[:, 0])
 
     def _embedded(self, c: Chunk) -> Hidden:
         s = self.stack
@@ -728,8 +735,11 @@ class Prefill:
 
 
 def read_columns(states: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """(rows, K, features) of (rows, positions, features) `states`: each row's `columns` (rows, K), in one gather."""
-    return states.gather(1, columns[..., None].expand(-1, -1, states.shape[-1]))
+    """(rows, K, features) of (rows, positions, features) `states`: each row's `columns` (rows, K), in one gather,
+    into rows holding room for their padded count (`gemm.empty_rows`: the matmuls after it run as one)."""
+    rows, count = columns.shape
+    out = gemm.empty_rows(rows, count, states.shape[-1], dtype=states.dtype, device=states.device)
+    return torch.gather(states, 1, columns[..., None].expand(-1, -1, states.shape[-1]), out=out)
 
 
 def cache_layers(out: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -227,7 +227,7 @@ class ChoiceTails:
         rows = np.asarray(head_rows, dtype=np.int64)  # ascending
         on_device = host_to_device(np.stack((rows, np.asarray(heads, dtype=np.int64))), s.device)
         for start in range(0, last.shape[0], CHOICE_CHUNK_ROWS):
-            logp = s.head(last[start : start + CHOICE_CHUNK_ROWS]).float().log_softmax(dim=-1)
+            logp = s.logits(last[start : start + CHOICE_CHUNK_ROWS]).float().log_softmax(dim=-1)
             lo, hi = np.searchsorted(rows, (start, start + CHOICE_CHUNK_ROWS))
             which = slice(int(lo), int(hi))
             self.picks.add(logp[on_device[0, which] - start, on_device[1, which]], head_owners[which])
@@ -237,7 +237,7 @@ class ChoiceTails:
         wanted = host_to_device(np.asarray(targets, dtype=np.int64), s.device)
         for start in range(0, len(owners), LOGIT_ROWS):
             which = slice(start, start + LOGIT_ROWS)
-            logp = s.head(states[which]).float().log_softmax(dim=-1)
+            logp = s.logits(states[which]).float().log_softmax(dim=-1)
             self.picks.add(logp.gather(1, wanted[which, None])[:, 0], owners[which])
 
 

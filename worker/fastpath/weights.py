@@ -517,6 +517,14 @@ class Stack:
         """Query heads per KV head (grouped-query attention)."""
         return self.heads // self.kv_heads
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head over `x`'s rows: a plain linear head as prefill runs its matmuls (`gemm.linear`: inside its
+        row blocks, at the counts the warm-up met), any other as the module computes it."""
+        head = self.head
+        if type(head) is torch.nn.Linear and head.weight.dtype == x.dtype:
+            return linear(x, head.weight, head.bias)
+        return head(x)
+
     def next_norm(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """The norm after layer i: the next layer's input norm, or the model's final one."""
         return self.layers[i + 1].norm1 if i + 1 < len(self.layers) else self.norm
