@@ -200,3 +200,21 @@ def test_empty_rows_hold_room_only_inside_row_blocks_on_a_gpu(monkeypatch: pytes
         assert gemm.empty_rows(2, 128, 4, dtype=torch.float32, device=gpu).untyped_storage().nbytes() == 256 * 16
     with torch.inference_mode():
         assert gemm.empty_rows(3, 100, 4, dtype=torch.float32, device=gpu).untyped_storage().nbytes() == 300 * 16
+
+
+def test_the_last_layers_read_columns_hold_room_for_their_padded_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where matmuls pad (a GPU, inside prefill's row blocks) the gathered columns hold room up to the next step,
+    so the output projection after them runs as one matmul without a copy; elsewhere they hold none."""
+    from worker.fastpath.prefill import read_columns
+
+    torch.manual_seed(0)
+    states = torch.randn(5, 9, 4)
+    columns = torch.tensor([[0, 3, 8]] * 5)
+    want = torch.stack([states[r, [0, 3, 8]] for r in range(5)])
+    torch.testing.assert_close(read_columns(states, columns), want)
+    monkeypatch.setattr(gemm, "block_on", lambda is_cuda: 64)  # the block a GPU gets, on the CPU: steps of 8
+    with torch.inference_mode():
+        got = read_columns(states, columns)
+    assert got.shape == (5, 3, 4) and got.is_contiguous()
+    assert got.untyped_storage().nbytes() == 16 * 4 * 4  # 15 rows rounded up to the step
+    torch.testing.assert_close(got, want)
