@@ -80,7 +80,8 @@ def test_the_counts_to_warm_are_the_steps_below_the_block_then_its_multiples() -
     large = counts[len(small) :]
     assert large[0] == gemm.ROW_BLOCK and large[-1] == 8192
     assert all(b - a == gemm.ROW_BLOCK for a, b in itertools.pairwise(large))
-    assert gemm.row_counts(100, torch.device("cuda")) == [c for c in small if c <= 100]
+    # Up to the count the most rows run at: 100 rows run at 128.
+    assert gemm.row_counts(100, torch.device("cuda")) == [c for c in small if c <= 128] == [32, 64, 96, 128]
     assert gemm.row_counts(8192, torch.device("cpu")) == []
 
 
@@ -218,3 +219,30 @@ def test_the_last_layers_read_columns_hold_room_for_their_padded_rows(monkeypatc
     assert got.shape == (5, 3, 4) and got.is_contiguous()
     assert got.untyped_storage().nbytes() == 16 * 4 * 4  # 15 rows rounded up to the step
     torch.testing.assert_close(got, want)
+
+
+def test_a_delta_into_one_row_of_a_joint_outputs_slice_never_takes_the_other_members_for_its_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One row of a member's slice of a joint q/k/v output counts as contiguous (a size-1 dimension's stride is
+    ignored), but the bytes after it are the other members' outputs, not its room: the sum may not run over
+    padded rows there. A whole fresh output's rows may."""
+    from worker.fastpath import weights
+
+    owned: list[bool] = []
+    real = weights.add_matmul_
+    monkeypatch.setattr(
+        weights, "add_matmul_", lambda r, low, b, owns_rows=False: owned.append(owns_rows) or real(r, low, b)
+    )
+    torch.manual_seed(0)
+    joint = torch.randn(1, 1, 10, dtype=torch.float64)
+    q, others = joint[..., :4], joint[..., 4:].clone()
+    assert q.is_contiguous()
+    x, a, b = (torch.randn(*shape, dtype=torch.float64) for shape in ((1, 1, 6), (2, 6), (4, 2)))
+    want = q + F.linear(F.linear(x, a), b)
+    with torch.inference_mode():
+        weights.fused_delta(q, x, a, b, None)
+        weights.fused_delta(torch.zeros(1, 1, 4, dtype=torch.float64), x, a, b, None)
+    torch.testing.assert_close(q, want)
+    assert torch.equal(joint[..., 4:], others)
+    assert owned == [False, True]

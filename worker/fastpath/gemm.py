@@ -83,7 +83,7 @@ def row_counts(most_rows: int, device: torch.device) -> list[int]:
     if device.type != "cuda":
         return []
     step = row_step(ROW_BLOCK)
-    small = range(step, min(ROW_BLOCK, most_rows + 1), step)
+    small = range(step, min(ROW_BLOCK, padded_rows(most_rows, ROW_BLOCK) + 1), step)
     return [*small, *range(ROW_BLOCK, most_rows + 1, ROW_BLOCK)]
 
 

@@ -65,8 +65,9 @@ DEFAULT_GROUP_TOKENS = GROUP_TOKENS
 MAX_CHUNK_TOKENS = 8192
 
 # The LM head's row counts warmed at start: a chunk's rows (its first-token logits) and scoring's slices of
-# positions; a chunk of more rows (prompts of under ~16 tokens) meets its count in its first take.
-HEAD_WARM_ROWS = 512
+# positions, up to the row block (`Stack.logits`); a chunk of more rows (prompts of under ~32 tokens) meets its
+# count in its first take.
+HEAD_WARM_ROWS = gemm.ROW_BLOCK
 
 # The chunk tokens memory allows now, beside a held group of this many prompt tokens (None: no figure).
 Room = Callable[[int], int | None]
@@ -429,6 +430,7 @@ class Prefill:
         counts = gemm.row_counts(self.max_tokens, s.device)
         if not counts:
             return 0  # off a GPU: nothing to dequantise a layer for
+        # Outside `row_blocks`: each count is one of its own there, so these run whole at it, as prefill will.
         layer = s.layers[0]
         dense = layer.dense()
         hidden, inner = s.embed.weight.shape[1], s.heads * s.head_dim

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.fastpath import nf4, pointwise
-from worker.fastpath.gemm import add_matmul_, linear
+from worker.fastpath.gemm import ROW_BLOCK, add_matmul_, linear
 from worker.fastpath.ops import DEFAULT_OPS, Ops, OpsOptions, norm_of
 from worker.fastpath.quant4 import Layout4bit, float_absmax
 
@@ -250,7 +250,10 @@ def fused_delta(
         low = low.mul_(mask) if torch.promote_types(low.dtype, mask.dtype) == low.dtype else low * mask
     low = low.reshape(-1, low.shape[-1])
     if result.is_contiguous():
-        add_matmul_(result.view(-1, result.shape[-1]), low, b.t(), owns_rows=True)
+        # Its rows past its own are its room only where it is a whole output, rows one after the other: a single
+        # row of a member's slice of a joint output also counts as contiguous, and its "room" is the next members'.
+        owns = result.dim() >= 2 and result.stride(-2) == result.shape[-1]
+        add_matmul_(result.view(-1, result.shape[-1]), low, b.t(), owns_rows=owns)
         return result
     return torch.addmm(result.reshape(-1, result.shape[-1]), low, b.t()).view(result.shape)
 
@@ -518,10 +521,14 @@ class Stack:
         return self.heads // self.kv_heads
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The LM head over `x`'s rows: a plain linear head as prefill runs its matmuls (`gemm.linear`: inside its
-        row blocks, at the counts the warm-up met), any other as the module computes it."""
+        """The LM head over `x`'s rows: a plain linear head over at most a row block as prefill runs its matmuls
+        (`gemm.linear`: inside its row blocks, at counts rounded up to a step, which the warm-up met: at most a
+        step of rows more, ~9 MiB of logits at Qwen's vocabulary, inside the chunk's set-aside, where the head
+        runs after a group's layers); more rows, or any other head, as the module computes them (padded to a
+        block, the logits' room would be up to a block of rows, ~74 MiB)."""
         head = self.head
-        if type(head) is torch.nn.Linear and head.weight.dtype == x.dtype:
+        rows = x.numel() // max(1, x.shape[-1])
+        if type(head) is torch.nn.Linear and head.weight.dtype == x.dtype and rows <= ROW_BLOCK:
             return linear(x, head.weight, head.bias)
         return head(x)
 
