@@ -20,7 +20,10 @@ these show. Machine to machine the figures move 10-20%: compare variants within 
 (`worker/fastpath/pointwise.py`, what prefill runs by default on a GPU); each run records whether ours really
 ran (`kernels_ran`: a failing kernel hands over to the compiled ones for good). `--groups` the layer-major group
 sizes (the loop's default 32,768; 0: each chunk alone). `--chunks` the chunk sizes (0, the default: the loop's own
-choice, 4,096 tokens or up to 8,192 where the memory free as the take's prefill starts holds them).
+choice, 4,096 tokens or up to 8,192 where the memory free as the take's prefill starts holds them). `--prefixes`
+the fewest tokens every row of a take must share for prefill to run them once (worker/fastpath/prefix.py; the
+loop's default 16; 0: off), each variant on a fresh set of kept prefixes, so its warm-up run makes them; each run
+reports the prefixes it made (`prefixes_made`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from worker import planner
 from worker.config import load_config
 from worker.engine import Engine
 from worker.fastpath.prefill import MAX_CHUNK_TOKENS
+from worker.fastpath.prefix import MIN_TOKENS, PrefixCache
 from worker.memory import MIB, parse_bytes, prefill_chunk_bytes
 
 
@@ -74,13 +78,15 @@ def timed(engine: Engine, jobs: list[Job], device: str, repeats: int) -> dict[st
     median run (setup, prefill, score, outputs...) with the allocator's retries (a cudaMalloc that failed under
     the cap and freed the cache to retry: each a device synchronisation)."""
     sync(device)
+    made_before = prefixes_made(engine)
     t0 = time.perf_counter()
     engine.run(jobs)
     sync(device)
     first = time.perf_counter() - t0  # the workload's first run: shapes, kernels and allocations new to it
+    first_made = prefixes_made(engine) - made_before
     runs = []
     for _ in range(repeats):
-        before, retries = engine.phase_seconds(), alloc_retries(device)
+        before, retries, made = engine.phase_seconds(), alloc_retries(device), prefixes_made(engine)
         sync(device)
         start_bytes = reset_peak(engine, device)
         t0 = time.perf_counter()
@@ -94,6 +100,7 @@ def timed(engine: Engine, jobs: list[Job], device: str, repeats: int) -> dict[st
                 "wall_s": round(wall, 4),
                 "phases_s": phases,
                 "alloc_retries": alloc_retries(device) - retries,
+                "prefixes_made": prefixes_made(engine) - made,
                 "peak_above_start_mib": round((engine.memory.peak_since_mark() - start_bytes) / MIB),
             }
         )
@@ -104,6 +111,7 @@ def timed(engine: Engine, jobs: list[Job], device: str, repeats: int) -> dict[st
     median = {**median, **memory_figures(engine, jobs, max(r["peak_above_start_mib"] for r in runs))}
     return {
         "first_wall_s": round(first, 4),
+        "first_prefixes_made": first_made,
         "rows": len(jobs),
         "prompt_tokens": tokens,
         **median,
@@ -168,10 +176,18 @@ def memory_figures(engine: Engine, jobs: list[Job], peak_above_mib: int) -> dict
     }
 
 
-def use_variant(engine: Engine, ops: str, chunk_tokens: int, group_tokens: int) -> None:
+def prefixes_made(engine: Engine) -> int:
+    return sum(d.prefill.prefixes.made for d in engine.decoders.values())
+
+
+def use_variant(
+    engine: Engine, ops: str, chunk_tokens: int, group_tokens: int, prefix_tokens: int = MIN_TOKENS
+) -> None:
     """`chunk_tokens` 0: the loop's default (chunks of 4,096 tokens, up to `MAX_CHUNK_TOKENS` where memory holds
-    them); otherwise chunks of exactly that size."""
+    them); otherwise chunks of exactly that size. `prefix_tokens`: the fewest shared tokens run once (0: off), on
+    a fresh set of kept prefixes."""
     for decoder in engine.decoders.values():
+        decoder.prefill.prefixes = PrefixCache(min_tokens=prefix_tokens)
         decoder.prefill.tokens = chunk_tokens or 4096
         decoder.prefill.max_tokens = chunk_tokens or MAX_CHUNK_TOKENS
         decoder.prefill.group_tokens = group_tokens
@@ -192,6 +208,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--groups", default="0,32768", help="layer-major group sizes (tokens; 0: each chunk alone)")
     parser.add_argument("--ops", default="compiled,kernels", help="compiled and/or kernels (ours)")
+    parser.add_argument(
+        "--prefixes", default=str(MIN_TOKENS), help="fewest shared prefix tokens run once, to compare (0: off)"
+    )
     parser.add_argument("--only", default="nightly,long,choices,mixed", help="workloads to run (also: mixed-choices)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
@@ -214,16 +233,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     loads = {k: v for k, v in workloads(engine, args.rows).items() if k in args.only.split(",")}
     report: dict[str, Any] = {"hardware": hardware(args.device, budget), "shape": args.shape, "runs": []}
     for op in ops:
-        for chunk, group in itertools.product(ints(args.chunks), ints(args.groups)):
-            use_variant(engine, op, chunk, group)
+        for chunk, group, shared in itertools.product(ints(args.chunks), ints(args.groups), ints(args.prefixes)):
+            use_variant(engine, op, chunk, group, shared)
             for name, jobs in loads.items():
                 figures = timed(engine, jobs, args.device, args.repeats)
                 ran = all(d.prefill.ops.kernels for d in engine.decoders.values())
-                r = {"ops": op, "chunk_tokens": chunk, "group_tokens": group, "workload": name, **figures}
+                r = {"ops": op, "chunk_tokens": chunk, "group_tokens": group, "prefix_tokens": shared, "workload": name}
+                r |= figures
                 r["kernels_ran"] = ran
                 report["runs"].append(r)
                 print("prefill", r, flush=True)
-    use_variant(engine, ops[0], ints(args.chunks)[0], ints(args.groups)[0])
+    use_variant(engine, ops[0], ints(args.chunks)[0], ints(args.groups)[0], ints(args.prefixes)[0])
     for name, jobs in loads.items():
         if args.profile and args.device.startswith("cuda"):
             kernel_profile(engine, jobs, Path(args.out), f"prefill-{name}")
@@ -233,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cells = "; ".join(cell(r) for r in report["runs"])
     append_results(
         f"| prefill | {report['hardware']} | {args.shape} NF4, worker defaults but the variant named "
-        f"(ops chunk tokens/layer-major group tokens) | {cells} | "
+        f"(ops chunk tokens/layer-major group tokens/shared prefix tokens) | {cells} | "
         f"`python -m bench prefill {' '.join(sys.argv[1:] if argv is None else argv)}` |",
         Path(args.out),
     )
@@ -245,7 +265,8 @@ def cell(r: dict[str, Any]) -> str:
     chunk = r["chunk_tokens"] or f"auto ({r['chunk_tokens_run']})"
     fell_back = "" if r["kernels_ran"] == (r["ops"] == "kernels") else " (FELL BACK)"
     return (
-        f"{r['workload']} {r['ops']}{fell_back} {chunk}/{r['group_tokens']}: {r['tokens_per_s']} tok/s "
+        f"{r['workload']} {r['ops']}{fell_back} {chunk}/{r['group_tokens']}/{r['prefix_tokens']}: "
+        f"{r['tokens_per_s']} tok/s "
         f"({r['wall_s']:.3f} s, {phase(r)} {r['phases_s'].get(phase(r), 0):.3f} s, peak +{r['peak_above_start_mib']} "
         f"MiB: held {r['held_mib']}, logits {r['logits_mib']}, chunk planned {r['planned_chunk_mib']})"
     )

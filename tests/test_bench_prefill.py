@@ -31,8 +31,26 @@ def test_every_variant_runs_every_workload_and_writes_its_row(tmp_path: Path, mo
     assert all(r["phases_s"][prefill.phase(r)] > 0 for r in runs)  # choices' prompts: in the scoring phase
     assert all(r["phases_s"]["decode_steps"] == 1 for r in runs if r["workload"] != "choices")  # one take each
     (row,) = results.read_text().splitlines()
-    assert row.startswith("| prefill | CPU") and "long compiled 512/1024" in row and "FELL BACK" not in row
+    assert row.startswith("| prefill | CPU") and "long compiled 512/1024/16" in row and "FELL BACK" not in row
     assert (tmp_path / "out" / "RESULTS-rows.md").read_text().strip() == row
+
+
+def test_the_shared_prefix_variants_run_the_same_prompts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--prefixes 16,0`: the nightly rows (Laya's template before each prompt) run with their shared prefix
+    made by each variant's warm-up run and kept (no timed run makes one), and with none."""
+    monkeypatch.setattr(bench.common, "RESULTS_MD", tmp_path / "RESULTS.md")
+    args = ["--device", "cpu", "--shape", "tiny", "--rows", "8", "--chunks", "256", "--groups", "1024"]
+    args += ["--ops", "compiled", "--prefixes", "16,0", "--only", "nightly,choices", "--repeats", "2"]
+    report = prefill.main([*args, "--out", str(tmp_path / "out")])
+    runs = report["runs"]
+    assert sorted((r["prefix_tokens"], r["workload"]) for r in runs) == [
+        (0, "choices"), (0, "nightly"), (16, "choices"), (16, "nightly")
+    ]  # fmt: skip
+    assert all(r["prefixes_made"] == 0 for r in runs)
+    assert all(r["first_prefixes_made"] == (r["prefix_tokens"] > 0) for r in runs if r["workload"] == "nightly")
+    for workload in ("nightly", "choices"):
+        assert len({r["prompt_tokens"] for r in runs if r["workload"] == workload}) == 1
+    assert "nightly compiled 256/1024/0" in (tmp_path / "RESULTS.md").read_text()
 
 
 def test_our_kernels_variant_runs_them_where_they_run(tmp_path: Path) -> None:

@@ -263,6 +263,56 @@ def test_choice_scores_in_bfloat16_match_a_plain_log_likelihood(tiny_models: Pat
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0.02, atol=0.15)
 
 
+def test_prefill_and_scoring_after_a_shared_prefix_are_those_of_the_whole_rows(
+    tiny_models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows that all start with the same tokens (Kev alone, its LoRA merged): their prefix runs once, is kept,
+    and each chunk's attention reads its K/V before the chunk's own through flash's bottom-right causal kernel
+    (grouped KV heads as they are). Decoded with it -- made by the first take, kept for the second -- the same
+    tokens as the rows run whole, log-probabilities within bfloat16 rounding; choices scored after it, HF's
+    log-likelihood of prompt + choice within bfloat16 rounding."""
+    from worker.fastpath import ScoreRow
+    from worker.fastpath.prefix import PrefixCache
+
+    engine = bf16_engine(tiny_models, "models-bf16-prefix.toml")
+    (base,), (decoder,) = engine.bases.values(), engine.decoders.values()
+    decoder.prefill.tokens = decoder.prefill.max_tokens = 96  # chunks small enough to split the rows
+    shared = base.tokenizer("You review loan decisions for a bank and answer with a single word, nothing else.")
+    assert len(shared.input_ids) >= 16
+    ids = [shared.input_ids + base.tokenizer(p).input_ids for p in BF16_PROMPTS]
+    rows = [DecodeRow(ids=r, max_new=12, adapter="kev") for r in ids]
+    kw = {"stop_ids": [-1], "pad_id": base.tokenizer.pad_token_id, "select": lambda n: select_adapters(base, n)}
+    decoder.prefill.prefixes = PrefixCache(min_tokens=0)
+    want = decoder.decode(rows, **kw)
+    flash: list[int] = []
+    real = torch.ops.aten._scaled_dot_product_flash_attention
+    spy = lambda q, k, *a, **k2: (flash.append(k.shape[2] - q.shape[2]), real(q, k, *a, **k2))[1]  # noqa: E731
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", spy)
+    decoder.prefill.prefixes = PrefixCache()
+    for take in range(2):
+        got = decoder.decode(rows, **kw)
+        assert torch.equal(got.tokens, want.tokens), take
+        torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0.05)
+        (kept,) = decoder.prefill.prefixes._made.values()
+        assert kept.length >= len(shared.input_ids) - 1
+        assert flash and all(k == kept.length for k in flash)  # every chunk: flash, the prefix's keys first
+        flash.clear()
+    labels = (" approve", " reject now", " needs review by the committee")
+    choice_ids = tuple((*base.tokenizer(c).input_ids, 2) for c in labels)
+    scored_rows = [ScoreRow(ids=r, choices=choice_ids[: 1 + i % 3], adapter="kev") for i, r in enumerate(ids)]
+    scored = decoder.score(scored_rows, pad_id=base.tokenizer.pad_token_id)
+    assert scored is not None and scored.bad == [False] * len(rows)
+    assert flash and all(k == kept.length for k in flash)
+    for row, got_scores in zip(scored_rows, scored.loglik, strict=True):
+        expected = []
+        for choice in row.choices:
+            with select_adapters(base, ["kev"]), torch.inference_mode():
+                logp = base.model(input_ids=torch.tensor([row.ids + list(choice)], device="cuda")).logits[0]
+                logp = logp.float().log_softmax(-1)
+            expected.append(sum(float(logp[len(row.ids) - 1 + i, t]) for i, t in enumerate(choice)))
+        torch.testing.assert_close(torch.tensor(got_scores), torch.tensor(expected), rtol=0.02, atol=0.15)
+
+
 def test_our_nf4_kernel_is_bitsandbytes_dequantise_in_bfloat16() -> None:
     """Our NF4 kernel (worker/fastpath/nf4.py) on the GPU, bf16 out: bit-equal to bitsandbytes' CUDA dequantise,
     in blocks of 64 and 128, with rows appended exactly."""

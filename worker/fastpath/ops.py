@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from worker.fastpath import pointwise
 
@@ -229,12 +230,35 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     (`enable_gqa`: flash on CUDA, every CPU kernel) K/V are not copied to every query head (~4% of prefill GPU
     time on the H200); elsewhere (CUDA float32, whose only GQA kernel is the math one with its full score
     matrix) they are, as HF does."""
+    if k.shape[2] != q.shape[2]:
+        return shifted_causal_attention(q, k, v, scale=scale)
     if k.shape[1] == q.shape[1]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if reads_grouped_heads(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
     return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), is_causal=True, scale=scale)
+
+
+def shifted_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """`causal_attention` of queries at the last L of the keys' S positions (S > L: a shared prompt prefix's
+    keys before the chunk's own): query i sees keys up to S - L + i, the causal mask aligned to the bottom
+    right. SDPA's `is_causal` aligns it to the top left and its flash kernel refuses unequal lengths, so the mask
+    is torch's `causal_lower_right`, which runs flash's own bottom-right causal kernel on CUDA (grouped heads
+    read as they are) and a materialised mask elsewhere."""
+    bias = causal_lower_right(q.shape[2], k.shape[2])
+    if k.shape[1] == q.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    if sdpa_has_gqa() and (q.device.type != "cuda" or _flash_reads_grouped_heads(q, k, v)):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=bias, scale=scale)
+
+
+def _flash_reads_grouped_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return bool(can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True)))
 
 
 def reads_grouped_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from worker.fastpath import gemm, staging
 from worker.fastpath.graphs import KV
 from worker.fastpath.ops import Ops, causal_attention, prefill_attention
+from worker.fastpath.prefix import PrefixCache, SharedPrefix, suffixes
 from worker.fastpath.weights import Dense, Layer, Masks, Stack, is_mixed, only_adapter
 
 log = logging.getLogger("kevlaya.fastpath")
@@ -186,7 +187,8 @@ class Tails(Protocol):
         ...
 
     def for_chunk(self, members: list[int], span: int) -> ChunkTail:
-        """The tail of the chunk of rows `members` (indices into the take), their prompts padded to `span`."""
+        """The tail of the chunk of rows `members` (indices into the take), their prompts padded to `span` (a
+        shared prefix's tokens included: the columns of the keys before the tail's)."""
         ...
 
     def finish(self, chunks: Sequence[Chunk], finals: Sequence[torch.Tensor]) -> None:
@@ -212,6 +214,7 @@ class Chunk:
     # columns takes (else None: the writes index rows and columns).
     slots: torch.Tensor | None = None
     tail: ChunkTail | None = None
+    shared: int = 0  # a shared prefix's tokens before every row's own (`ids` holds only the rows' own)
 
     @property
     def span(self) -> int:
@@ -363,6 +366,8 @@ class Prefill:
         # The elementwise steps a chunk's layers run: the stack's prefill set (on a GPU our rotary, SiLU x up and
         # residual add with its RMSNorm).
         self.ops: Ops = stack.prefill_ops
+        # The prompt prefixes a take's rows all share, run once (worker/fastpath/prefix.py); `min_tokens` 0: off.
+        self.prefixes = PrefixCache()
 
     def run(
         self,
@@ -499,25 +504,30 @@ class Prefill:
         pad_id: int,
         tails: Tails | None = None,
         masks: Masks | None = None,
+        shared: int = 0,
     ) -> Chunk:
         """One chunk's tensors, each built for all its rows at once (its tail's tokens after its prompts);
-        `masks`: its rows' LoRA masks where already made (`row_masks`)."""
+        `masks`: its rows' LoRA masks where already made (`row_masks`); `shared`: the tokens of a shared prefix
+        before every row's own (`prompts`: the rows' own), whose K/V the chunk's attention and cache writes put
+        before its own."""
         s = self.stack
         device = s.device
         index = np.asarray(members, dtype=np.int64)
         lengths = prompts.lengths[index, None]
         steps = np.arange(int(lengths.max()))
         real = steps < lengths  # right-padded: a row's tokens first
-        # Where each token's K/V goes: a row's real tokens right-aligned at the batch width (where its decode
-        # mask expects them), its padding into its own masked columns on the left (distinct slots, never read).
-        columns = host_to_device(np.where(real, width - lengths + steps, steps - lengths), device)
+        # Where each token's K/V goes (the shared prefix's first): a row's real tokens right-aligned at the batch
+        # width (where its decode mask expects them), its padding into its own masked columns on the left
+        # (distinct slots, never read).
+        full, every = lengths + shared, np.arange(shared + len(steps))
+        columns = host_to_device(np.where(every < full, width - full + every, every - full), device)
         contiguous = members == list(range(members[0], members[0] + len(members)))
         rows = host_to_device(index[:, None], device)
         slots = None
         if contiguous:
             slots = columns[:, None, :, None].expand(len(members), s.kv_heads, columns.shape[1], s.head_dim)
         ids = prompts.padded(index, real, pad_id)
-        tail = None if tails is None else tails.for_chunk(members, len(steps))
+        tail = None if tails is None else tails.for_chunk(members, shared + len(steps))
         reads = lengths - 1
         if tail is not None:
             ids = np.concatenate((ids, tail.tokens), axis=1)
@@ -532,6 +542,7 @@ class Prefill:
             masks=row_masks(part, s.dtype, device) if masks is None else masks,
             slots=slots,
             tail=tail,
+            shared=shared,
         )
 
     def own_layers(
@@ -552,12 +563,17 @@ class Prefill:
         group and only one group's hidden states are held. Each row's first-token logits go into `logits`;
         with `tails`, each chunk carries its rows' tail (`Tails.row_tokens` tokens a row), and `tails` finishes
         each group instead."""
-        prompts = Prompts.of([r.ids for r in rows])
+        layers = len(self.stack.layers)
+        prefix = self.prefixes.for_rows(rows, layers)
+        runs = suffixes(rows, prefix)  # what each row runs itself: its tokens after the shared prefix
+        prompts = Prompts.of([r.ids for r in runs])
         self.held_bytes = 0
         self.last_tokens = self.tokens if tokens is None else tokens
         with gemm.row_blocks():
-            for group in self.layer_groups(rows, tokens, None if tails is None else tails.row_tokens):
-                self._group(kv, prompts, rows, group, width, pad_id, logits, tails)
+            for group in self.layer_groups(runs, tokens, None if tails is None else tails.row_tokens):
+                self._group(kv, prompts, runs, group, width, pad_id, logits, tails, prefix)
+        if prefix is not None:
+            self.prefixes.keep(prefix, layers)
 
     def _group(
         self,
@@ -569,16 +585,18 @@ class Prefill:
         pad_id: int,
         logits: torch.Tensor | None,
         tails: Tails | None,
+        prefix: SharedPrefix | None = None,
     ) -> None:
         """One group's chunks through every layer, then their first-token logits (or their tails finished). A
         function of its own so the group's chunk tensors and hidden states are let go on return, before the next
-        group's are made."""
+        group's are made. `rows`: the rows' own tokens after `prefix` (if any)."""
         s = self.stack
         parts = [[rows[i] for i in c] for c in group]
         masks = [row_masks(part, s.dtype, s.device) for part in parts]
+        shared = 0 if prefix is None else prefix.length
 
         def build(j: int) -> Built:
-            c = self._chunk(prompts, parts[j], group[j], width, pad_id, tails, masks[j])
+            c = self._chunk(prompts, parts[j], group[j], width, pad_id, tails, masks[j], shared)
             return Built(chunk=c, rotary=self._rotary(c), hidden=self._embedded(c))
 
         chunks = GroupChunks(masks, build)
@@ -586,7 +604,7 @@ class Prefill:
         caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None] = kv if kv is not None else [None] * len(s.layers)
         try:
             for i, (layer, cache) in enumerate(zip(s.layers, caches, strict=True)):
-                self._through(i, layer, cache, chunks, passes)
+                self._through(i, layer, cache, chunks, passes, prefix)
         finally:  # what the group held as far as it got, even where a layer failed
             self.held_bytes = max(self.held_bytes, chunks.held_bytes)
         built = chunks.all()
@@ -608,11 +626,12 @@ class Prefill:
         own (its prompt's, then its tail's)."""
         s = self.stack
         like = torch.empty(0, dtype=s.dtype, device=s.device)  # what the rotary module reads: dtype and device
+        own = range(c.shared, c.shared + c.span)  # the rows' own tokens' positions, after a shared prefix
         if c.tail is None:
-            positions = torch.arange(c.span, device=s.device)[None]
+            positions = torch.arange(own.start, own.stop, device=s.device)[None]
         else:
             rows = c.tail.positions.shape[0]
-            prompt = np.broadcast_to(np.arange(c.span, dtype=np.int64), (rows, c.span))
+            prompt = np.broadcast_to(np.arange(own.start, own.stop, dtype=np.int64), (rows, c.span))
             positions = host_to_device(np.concatenate((prompt, c.tail.positions), axis=1), s.device)
         cos, sin = s.rotary(like, positions)
         return Rotary(cos=cos, sin=sin)
@@ -624,6 +643,7 @@ class Prefill:
         cache: tuple[torch.Tensor, torch.Tensor] | None,
         chunks: GroupChunks,
         passes: Passes,
+        prefix: SharedPrefix | None = None,
     ) -> None:
         """Every chunk through layer `i`, its hidden states replaced by the layer's output (after the last layer:
         only at the columns read, `Chunk.reads`); the first layer builds each chunk as it reaches it. A function
@@ -632,8 +652,13 @@ class Prefill:
         dense = layer.dense()
         final = i == len(self.stack.layers) - 1
         for j, weights, masks in passes.weights(layer, chunks.masks, dense):
+            if prefix is not None and len(prefix.kv) == i:  # being made: on the weights every chunk runs on
+                self._prefix_layer(i, layer, prefix, weights, masks, final=final)
             b = chunks.get(j)
-            hidden = self._layer(i, layer, cache, b.chunk, b.hidden, weights, masks, b.rotary, final=final)
+            shared = None if prefix is None else prefix.kv[i]
+            hidden = self._layer(
+                i, layer, cache, b.chunk, b.hidden, weights, masks, b.rotary, final=final, shared=shared
+            )
             chunks.advance(j, hidden)
             del b, hidden  # the chunk's states before this layer, let go before the next chunk is built
 
@@ -649,20 +674,26 @@ class Prefill:
         rotary: Rotary,
         *,
         final: bool = False,
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Hidden:
         """One chunk through layer `i`: its K/V into the cache (if any), attention, the rest of the layer. In the
         `final` layer every position's K/V and attention are made as in any layer (the cache and the tail's
         queries need them), but the output projection, the MLP and the norms run only at the columns read after
         it (`Chunk.reads`: ~1 in 200 of a nightly row's positions), what the returned states hold. The rest would
         be states nobody reads: for a Qwen2.5-1.5B shape the output projection and MLP are 93% of a layer's
-        weights, so ~3% of a prefill's matmul work (one layer in 28)."""
+        weights, so ~3% of a prefill's matmul work (one layer in 28). `shared`: a shared prefix's keys and values
+        in this layer, read before the chunk's own (and written into the cache with them)."""
         s = self.stack
         count, length = c.ids.shape
         span = c.span
         q, k, v = s.qkv(layer, held.x, masks, rotary.cos, rotary.sin, weights, ops=self.ops)
+        if shared is not None:
+            k = torch.cat((shared[0].expand(count, -1, -1, -1), k), dim=2)
+            v = torch.cat((shared[1].expand(count, -1, -1, -1), v), dim=2)
         if cache is not None:
             k_cache, v_cache = cache
-            k_prompt, v_prompt = (k, v) if c.tail is None else (k[:, :, :span], v[:, :, :span])
+            keys = c.shared + span
+            k_prompt, v_prompt = (k, v) if c.tail is None else (k[:, :, :keys], v[:, :, :keys])
             if c.slots is not None:
                 # One scatter along the cache's columns: advanced indexing (below) spent ~4x its host time.
                 k_cache[c.where].scatter_(2, c.slots, k_prompt)
@@ -689,12 +720,37 @@ class Prefill:
         h, x = s.mlp(layer, h, x, masks, s.next_norm(i), weights, ops=self.ops)
         return Hidden(h=h, x=x)
 
+    def _prefix_layer(
+        self, i: int, layer: Layer, prefix: SharedPrefix, weights: Dense, masks: Masks, *, final: bool
+    ) -> None:
+        """The shared prefix through layer `i` as a one-row chunk of its own: its keys and values kept, its
+        states carried to the next layer (in the last layer only its K/V are needed)."""
+        s = self.stack
+        n = prefix.length
+        if prefix.hidden is None:
+            ids = host_to_device(np.asarray(prefix.ids, dtype=np.int64)[None], s.device)
+            h = s.embed(ids)
+            prefix.hidden = (h, s.ops.norm(s.layers[0].norm1, h))
+        h, x = prefix.hidden
+        like = torch.empty(0, dtype=s.dtype, device=s.device)
+        cos, sin = s.rotary(like, torch.arange(n, device=s.device)[None])
+        q, k, v = s.qkv(layer, x, masks, cos, sin, weights, ops=self.ops)
+        prefix.kv.append((k, v))
+        if final:
+            prefix.hidden = None
+            return
+        out = causal_attention(q, k, v, scale=layer.scaling)
+        attn = out.transpose(1, 2).reshape(1, n, s.heads * s.head_dim)
+        h, x = s.attn_out(layer, h, attn, masks, weights, ops=self.ops)
+        prefix.hidden = s.mlp(layer, h, x, masks, s.next_norm(i), weights, ops=self.ops)
+
     def _with_tail(
         self, tail: ChunkTail, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int, scale: float
     ) -> torch.Tensor:
         """Attention of a chunk with a tail, as (rows, span + T, heads x D): the prompts' queries causal over the
         prompts (flash), the tail's queries -- grouped by KV head, as the mask is -- over prompts and tail under
-        the tail's mask. The causal pass runs over all span + T positions: a prompt query never sees a key after
+        the tail's mask. Keys and values may hold a shared prefix's before the chunk's own (the causal mask then
+        aligned to their end). The causal pass runs over all span + T positions: a prompt query never sees a key after
         it (the tail's keys stay unseen), and its output, laid out as the layer's, needs no copy into place
         (copying the prompts' part was ~2.5% of a scoring prefill's GPU time on the H200); the tail's rows of it
         are overwritten."""
