@@ -110,6 +110,9 @@ def test_no_prefix_is_shared_where_sharing_is_off_or_the_rows_share_too_little()
     rows = rows_after(PREFIX, [3, 9])
     assert PrefixCache(min_tokens=0).for_rows(rows, LAYERS) is None
     assert PrefixCache(min_tokens=MIN_TOKENS).for_rows(rows_after(PREFIX[: MIN_TOKENS - 1], [3, 9]), LAYERS) is None
+    # 20 shared tokens of rows of 420 (under 5%): not worth a pass; of rows of 320, they are.
+    assert PrefixCache(min_share=0.05).for_rows(rows_after(PREFIX, [400, 400]), LAYERS) is None
+    assert PrefixCache(min_share=0.05).for_rows(rows_after(PREFIX, [300, 300]), LAYERS) is not None
 
 
 # ---- attention after a prefix ----------------------------------------------------------------------------------

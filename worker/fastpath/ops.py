@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from worker.fastpath import pointwise
 
@@ -243,22 +242,27 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
 def shifted_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
     """`causal_attention` of queries at the last L of the keys' S positions (S > L: a shared prompt prefix's
     keys before the chunk's own): query i sees keys up to S - L + i, the causal mask aligned to the bottom
-    right. SDPA's `is_causal` aligns it to the top left and its flash kernel refuses unequal lengths, so the mask
-    is torch's `causal_lower_right`, which runs flash's own bottom-right causal kernel on CUDA (grouped heads
-    read as they are) and a materialised mask elsewhere."""
-    bias = causal_lower_right(q.shape[2], k.shape[2])
+    right. SDPA's `is_causal` aligns it to the top left and refuses flash for unequal lengths; flash's own causal
+    kernel aligns it to the bottom right, so on CUDA that kernel runs directly (grouped KV heads read as they
+    are; what torch's `causal_lower_right` does, without its tensor subclass and dispatch on every layer step),
+    elsewhere SDPA under the mask itself."""
+    if q.is_cuda and q.shape[-1] % 8 == 0 and _flash_runs(q, k, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
+    length, keys = q.shape[2], k.shape[2]
+    sees = torch.ones(length, keys, dtype=torch.bool, device=q.device).tril(keys - length)
     if k.shape[1] == q.shape[1]:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-    if sdpa_has_gqa() and (q.device.type != "cuda" or _flash_reads_grouped_heads(q, k, v)):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=sees, scale=scale)
+    if sdpa_has_gqa() and not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=sees, scale=scale, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=bias, scale=scale)
+    return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=sees, scale=scale)
 
 
-def _flash_reads_grouped_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def _flash_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether flash attention takes these tensors (without a mask; grouped heads where they are fewer)."""
     from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
-    return bool(can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True)))
+    return bool(can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, k.shape[1] != q.shape[1])))
 
 
 def reads_grouped_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

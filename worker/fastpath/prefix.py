@@ -30,6 +30,10 @@ log = logging.getLogger("kevlaya.fastpath")
 
 # The fewest shared tokens worth a prefix pass: fewer save less than its own layer steps cost on the host.
 MIN_TOKENS = 16
+# The least share of a take's prompt tokens a prefix must be to be run once: below it a chunk seldom runs fewer
+# row blocks (prefill's matmuls run at multiples of 256 rows) while each layer step still copies the prefix's K/V
+# before its own (Kev's 44 tokens before 1,024-token prompts, ~4%, ran 3% slower on the H200).
+MIN_SHARE = 0.05
 # Prefixes kept per prefill (least recently used dropped): one per model template and adapter, and a few more.
 KEPT = 8
 
@@ -93,17 +97,25 @@ def common_prefix(rows: Sequence[Row], min_tokens: int) -> tuple[int, ...] | Non
 class PrefixCache:
     """The prefixes made so far (least recently used dropped past `KEPT`), and which one a take's rows share."""
 
-    def __init__(self, min_tokens: int = MIN_TOKENS, kept: int = KEPT) -> None:
+    def __init__(self, min_tokens: int = MIN_TOKENS, kept: int = KEPT, min_share: float = MIN_SHARE) -> None:
         self.min_tokens = min_tokens  # 0: no sharing
+        self.min_share = min_share
         self.kept = kept
         self._made: OrderedDict[tuple[str | None, tuple[int, ...]], SharedPrefix] = OrderedDict()
         self.made = 0  # prefixes made so far (each one a pass through the layers: a benchmark figure)
 
     def for_rows(self, rows: Sequence[Row], layers: int) -> SharedPrefix | None:
         """The longest kept prefix the rows share, or a new one of all they have in common (made by the take),
-        or None (sharing off, too few tokens in common, or several adapters)."""
+        or None (sharing off, too few tokens in common or too small a share of the rows' tokens, or several
+        adapters)."""
         if self.min_tokens <= 0:
             return None
+        prefix = self._for_rows(rows, layers)
+        if prefix is None or prefix.length * len(rows) < self.min_share * sum(len(r.ids) for r in rows):
+            return None
+        return prefix
+
+    def _for_rows(self, rows: Sequence[Row], layers: int) -> SharedPrefix | None:
         kept = [p for p in self._made.values() if p.made(layers) and p.serves(rows)]
         common = common_prefix(rows, self.min_tokens)
         best = max(kept, key=lambda p: p.length, default=None)
