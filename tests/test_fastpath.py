@@ -523,8 +523,16 @@ def test_warm_up_leaves_nothing_behind(
     warmed: list[int] = []
     real = decoder.prefill.warm_row_counts
     monkeypatch.setattr(decoder.prefill, "warm_row_counts", lambda: warmed.append(real()) or warmed[-1])
+    spans: list[int] = []
+    real_layer = decoder.prefill._layer
+    spy = lambda i, layer, cache, c, *a, **k: (spans.append(c.span), real_layer(i, layer, cache, c, *a, **k))[1]  # noqa: E731
+    monkeypatch.setattr(decoder.prefill, "_layer", spy)
     static.warm_up()
     assert warmed == [0]  # asked once; no row counts to warm off a GPU
+    # Its rows (one token repeated) share all but their last: they run whole, as real takes' chunks do, and no
+    # prefix of theirs is kept.
+    assert spans and min(spans) > 1
+    assert decoder.prefill.prefixes.made == 0 and decoder.prefill.prefixes.min_tokens > 0
     assert not decoder.holds_memory() and not decoder.phase_s
     assert static._longest_prompt == history  # the take is sized by real jobs only
     assert decoder.captures == captures  # no graphs on the CPU; the loop ran without them

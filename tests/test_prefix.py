@@ -19,7 +19,16 @@ from tests.test_scoring import reference
 from worker.engine import Engine
 from worker.fastpath import DecodeRow, ScoreRow, StaticDecoder
 from worker.fastpath.ops import causal_attention
-from worker.fastpath.prefix import MIN_TOKENS, PrefixCache, SharedPrefix, Suffix, common_prefix, suffixes
+from worker.fastpath.prefix import (
+    KEPT_TOKENS,
+    MAX_TOKENS,
+    MIN_TOKENS,
+    PrefixCache,
+    SharedPrefix,
+    Suffix,
+    common_prefix,
+    suffixes,
+)
 
 LAYERS = 2
 # The static loops of test_prefill (float32, 4-bit, bfloat16, 4-bit dequantised by the loop), as fixtures here.
@@ -106,6 +115,39 @@ def test_a_new_prefix_settles_on_what_it_shares_with_a_kept_one() -> None:
     assert cache.made == 2
 
 
+def test_a_kept_prefix_two_kinds_of_take_settled_on_serves_them_again() -> None:
+    """Takes of kind A share the template and 20 tokens more, takes of kind B the template and 20 others: once B
+    settled on the template, it is what B's takes get (kept, not made again), however much more they share."""
+    cache = PrefixCache(min_tokens=16)
+    a, b = [*PREFIX, *range(100, 120)], [*PREFIX, *range(200, 220)]
+    cache.keep(made(a), LAYERS)
+    settled = cache.for_rows(rows_after(b, [3, 4]), LAYERS)
+    assert settled is not None and settled.ids == tuple(PREFIX)
+    cache.keep(made(PREFIX), LAYERS)
+    (kept,) = [p for p in cache._made.values() if p.ids == tuple(PREFIX)]
+    for _ in range(3):
+        assert cache.for_rows(rows_after(b, [5, 6]), LAYERS) is kept
+    assert cache.for_rows(rows_after(a, [5, 6]), LAYERS) is not kept  # A's own longer one still serves A
+
+
+def test_one_row_makes_no_prefix_and_kept_ones_stay_small() -> None:
+    """A take of one row has nothing to share (its prompt less a token would be kept for nobody); a kept prefix
+    serves it. What is kept stays within `KEPT_TOKENS` tokens together, and a prefix within `MAX_TOKENS`."""
+    cache = PrefixCache(min_tokens=16)
+    assert cache.for_rows(rows_after(PREFIX, [300]), LAYERS) is None
+    kept = made(PREFIX)
+    cache.keep(kept, LAYERS)
+    assert cache.for_rows(rows_after(PREFIX, [30]), LAYERS) is kept
+    document = [7 + t % 90 for t in range(MAX_TOKENS + 200)]
+    long = cache.for_rows(rows_after(document, [5, 9]), LAYERS)
+    assert long is not None and long.length == MAX_TOKENS
+    for n in range(3):
+        cache.keep(made([n, *document[: MAX_TOKENS - 1]]), LAYERS)
+    assert sum(p.length for p in cache._made.values()) <= KEPT_TOKENS
+    cache.clear()
+    assert not cache._made
+
+
 def test_no_prefix_is_shared_where_sharing_is_off_or_the_rows_share_too_little() -> None:
     rows = rows_after(PREFIX, [3, 9])
     assert PrefixCache(min_tokens=0).for_rows(rows, LAYERS) is None
@@ -179,6 +221,9 @@ def test_prefill_after_a_shared_prefix_is_prefill_of_the_whole_rows(decoder: Sta
         first = prefill_with(decoder, rows, share=True)
         (kept,) = decoder.prefill.prefixes._made.values()
         assert kept.ids == tuple(PREFIX) and kept.made(layers) and kept.hidden is None
+        for k, v in kept.kv:  # copies of their own, not views holding the layer step's whole outputs
+            assert k.is_contiguous() and k.untyped_storage().nbytes() == k.nbytes
+            assert v.is_contiguous() and v.untyped_storage().nbytes() == v.nbytes
         again = prefill_with(decoder, rows[2:], share=True)  # the kept prefix, not made again
     finally:
         decoder.prefill.group_tokens = 32768
@@ -198,6 +243,24 @@ def test_a_kept_prefix_is_not_run_again(decoder: StaticDecoder, monkeypatch: pyt
     assert calls == list(range(len(decoder.stack.layers)))
     prefill_with(decoder, rows_after(PREFIX, [5, 2]), share=True)
     assert len(calls) == len(decoder.stack.layers)
+
+
+def test_a_chunks_rows_times_the_prefix_stay_within_its_tokens(decoder: StaticDecoder) -> None:
+    """Each layer step copies the prefix's K/V before every row's own: a chunk of short rows after a long
+    prefix holds no more rows than its tokens hold copies of the prefix."""
+    rows = [DecodeRow(ids=[5, 6], max_new=1, adapter="kev") for _ in range(40)]
+    assert max(map(len, decoder.prefill.chunk_rows(rows, 100))) == 40  # alone: 80 tokens, one chunk
+    chunks = decoder.prefill.chunk_rows(rows, 100, shared=30)
+    assert sorted(i for c in chunks for i in c) == list(range(40))
+    assert max(len(c) * 30 for c in chunks) <= 100
+
+
+def test_the_loop_hands_its_kept_prefixes_back_with_its_pool(decoder: StaticDecoder) -> None:
+    decoder.prefill.prefixes = PrefixCache()
+    prefill_with(decoder, rows_after(PREFIX, [3, 9]), share=True)
+    assert decoder.prefill.prefixes._made
+    decoder.release()
+    assert not decoder.prefill.prefixes._made
 
 
 def test_rows_on_two_adapters_share_no_prefix(decoder: StaticDecoder) -> None:

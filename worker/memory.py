@@ -225,7 +225,9 @@ def prefill_chunk_bytes(
     batches on the H200 under a 6 GiB budget.
 
     `flash`: the loop's own prefill (worker/fastpath/prefill.py), whose K/V go straight into the planned cache and
-    whose attention builds no score matrix; its transients were measured (`PREFILL_MARGIN`). Otherwise the
+    whose attention builds no score matrix; its transients were measured (`PREFILL_MARGIN`). Rows after a shared
+    prompt prefix get a copy of its K/V in each layer step, at most a chunk's tokens of them (`chunk_rows`), ~1/90
+    of a token's transients each. Otherwise the
     model's own forward: its chunk's K/V in a cache of its own, copied over, and (without flash attention) the
     score matrices of the chunk's rows, all with the estimates' safety factor."""
     weights = (1 if flash and one_adapter else 2) * shape.layer_weight_bytes(dtype_bytes)

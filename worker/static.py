@@ -16,6 +16,7 @@ import torch
 from shared.job import Job
 from worker.config import ModelsConfig
 from worker.fastpath import Decoded, DecodeRow, OpsOptions, Sampling, ScoreRow, StaticDecoder, unsupported_reason
+from worker.fastpath.prefix import PrefixCache
 from worker.loading import LoadedBase, select_adapters, stop_ids
 from worker.rows import BaseCall, Item
 
@@ -133,6 +134,9 @@ def warm_up(
         token, stops = base.tokenizer.eos_token_id or 0, stop_ids(base, config.stop_strings)
         pad_id = base.tokenizer.pad_token_id
         select = lambda chosen, base=base: select_adapters(base, chosen)  # noqa: E731
+        # Warm-up rows are one token repeated: rows sharing all but their last would run as a prefix and
+        # one-token chunks, warming nothing real takes run. No sharing here; a fresh set of prefixes after.
+        decoder.prefill.prefixes = PrefixCache(min_tokens=0)
         for names in groups:
             # The largest take (prefill in full chunks, then two decode steps), and one row: the kernels real
             # batches use (matmul shapes follow the rows and the chunk's tokens), and the compiled elementwise
@@ -152,6 +156,7 @@ def warm_up(
                 scored = [ScoreRow(ids=[token] * 29, choices=choices, adapter=names[0]) for _ in range(3)]
                 decoder.score(scored, pad_id=pad_id)
         decoder.prefill.warm_row_counts()
+        decoder.prefill.prefixes = PrefixCache()
         decoder.release()
         decoder.phase_s.clear()
     if device.type == "cuda":

@@ -229,9 +229,11 @@ class StaticDecoder:
         return self.pool.buffer is not None or bool(self.graphs.entries)
 
     def release(self) -> None:
-        """Drop the graphs and the KV pool (after an out-of-memory error, or to hand memory back)."""
+        """Drop the graphs, the KV pool and the kept prompt prefixes (after an out-of-memory error, or to hand
+        memory back)."""
         self.graphs.clear()
         self.pool.release()
+        self.prefill.prefixes.clear()
 
     # ---- the step ----------------------------------------------------------------------------
     @staticmethod

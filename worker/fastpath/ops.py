@@ -260,6 +260,8 @@ def shifted_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def _flash_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether flash attention takes these tensors (without a mask; grouped heads where they are fewer)."""
+    if not sdpa_has_gqa():  # torch < 2.5: no grouped heads, and `SDPAParams` without their flag
+        return False
     from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
     return bool(can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, k.shape[1] != q.shape[1])))

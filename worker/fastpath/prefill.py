@@ -22,6 +22,10 @@ sit after the chunk's padded prompts in the same tensors, so every projection, n
 launch; only attention splits: the prompts' queries run causal flash attention over the prompts as in any
 chunk, the tail's queries one masked attention over the prompts and the tail (a tail of its own beside each
 group paid a layer step's ~20 launches a chunk more, each tens of microseconds of host time).
+
+Where every row of a take starts with the same tokens (a model template's system part), those run once, as a
+one-row chunk in each layer of the take's first group, and are kept for later takes (worker/fastpath/prefix.py):
+chunks then hold only their rows' own tokens, each layer step reading the prefix's K/V before its own.
 """
 
 from __future__ import annotations
@@ -204,7 +208,7 @@ class Chunk:
     where: slice | torch.Tensor
     ids: torch.Tensor  # (rows, span) right-padded prompt tokens (then the tail's, if any)
     rows: torch.Tensor  # (rows, 1) the batch rows, for the cache writes
-    columns: torch.Tensor  # (rows, span) the cache column of each token
+    columns: torch.Tensor  # (rows, shared + span) the cache column of each token, a shared prefix's first
     # (rows, 1 + T) the columns read after the last layer: each row's last prompt token (its first-token logits,
     # or its first choice token's), then the tail's T tokens. Only these go through the last layer's output
     # projection and MLP.
@@ -237,8 +241,8 @@ class Hidden:
 @dataclass(frozen=True)
 class Rotary:
     """A chunk's cos and sin, computed once for all its layers: its rows are right-padded, every one at
-    positions 0 .. span - 1, so one row of positions serves them all (broadcast) -- unless the chunk has a
-    tail, whose positions follow each row's own prompt."""
+    positions shared .. shared + span - 1 (after a shared prefix's, if any), so one row of positions serves them
+    all (broadcast) -- unless the chunk has a tail, whose positions follow each row's own prompt."""
 
     cos: torch.Tensor  # (1, span, head_dim), with a tail (rows, span + T, head_dim)
     sin: torch.Tensor
@@ -450,14 +454,20 @@ class Prefill:
         return len(counts)
 
     def chunk_rows(
-        self, rows: Sequence[PromptRow], tokens: int | None = None, tails: Sequence[int] | None = None
+        self,
+        rows: Sequence[PromptRow],
+        tokens: int | None = None,
+        tails: Sequence[int] | None = None,
+        shared: int = 0,
     ) -> list[list[int]]:
         """Rows grouped by prompt length into chunks of about `tokens` tokens (default: `self.tokens`; each chunk
         its rows' indices, the longest last), each to be right-padded only to its own longest prompt: causal
         attention then needs no mask (a real token never sees the padding after it), so SDPA runs its flash
         kernel with grouped-query heads as they are. `tails`: each row's tail tokens (`ChunkTail`), padded to
         the chunk's longest and counted in its tokens too (a chunk of short prompts with long tails stays within
-        the activations planned for a chunk)."""
+        the activations planned for a chunk). `shared`: a shared prefix's tokens before each row's own, whose K/V
+        each layer step copies before every row's (`_layer`): a chunk's rows times them stay within its tokens
+        too (a K/V copy a token is ~1/90 of a token's planned transients for a Qwen2.5-1.5B shape)."""
         limit = self.tokens if tokens is None else tokens
         lengths = [len(r.ids) for r in rows]
         extra = tails or [0] * len(rows)
@@ -465,7 +475,8 @@ class Prefill:
         chunks: list[list[int]] = [[]]
         tail = 0  # the current chunk's longest tail
         for i in order:  # ascending: the newcomer is the longest prompt of its chunk
-            if chunks[-1] and (len(chunks[-1]) + 1) * (lengths[i] + max(tail, extra[i])) > limit:
+            rows_then = len(chunks[-1]) + 1
+            if chunks[-1] and (rows_then * (lengths[i] + max(tail, extra[i])) > limit or rows_then * shared > limit):
                 chunks.append([])
                 tail = 0
             chunks[-1].append(i)
@@ -473,7 +484,11 @@ class Prefill:
         return chunks
 
     def layer_groups(
-        self, rows: Sequence[PromptRow], tokens: int | None = None, tails: Sequence[int] | None = None
+        self,
+        rows: Sequence[PromptRow],
+        tokens: int | None = None,
+        tails: Sequence[int] | None = None,
+        shared: int = 0,
     ) -> list[list[list[int]]]:
         """The chunks (`chunk_rows`) in groups of consecutive ones holding at most `group_tokens` padded tokens
         together, tails included (a chunk larger than that alone): each group goes through the layers before
@@ -481,7 +496,7 @@ class Prefill:
         extra = tails or [0] * len(rows)
         groups: list[list[list[int]]] = [[]]
         held = 0
-        for chunk in self.chunk_rows(rows, tokens, tails):
+        for chunk in self.chunk_rows(rows, tokens, tails, shared):
             padded = len(chunk) * (len(rows[chunk[-1]].ids) + max(extra[i] for i in chunk))
             if groups[-1] and held + padded > self.group_tokens:
                 groups.append([])
@@ -570,7 +585,8 @@ class Prefill:
         self.held_bytes = 0
         self.last_tokens = self.tokens if tokens is None else tokens
         with gemm.row_blocks():
-            for group in self.layer_groups(runs, tokens, None if tails is None else tails.row_tokens):
+            shared = 0 if prefix is None else prefix.length
+            for group in self.layer_groups(runs, tokens, None if tails is None else tails.row_tokens, shared):
                 self._group(kv, prompts, runs, group, width, pad_id, logits, tails, prefix)
         if prefix is not None:
             self.prefixes.keep(prefix, layers)
@@ -622,8 +638,8 @@ class Prefill:
         return Hidden(h=h, x=s.ops.norm(s.layers[0].norm1, h))
 
     def _rotary(self, c: Chunk) -> Rotary:
-        """A chunk's cos and sin: one row of positions 0 .. span - 1 for every row, or with a tail each row's
-        own (its prompt's, then its tail's)."""
+        """A chunk's cos and sin: one row of positions shared .. shared + span - 1 for every row (after a shared
+        prefix's, if any), or with a tail each row's own (its prompt's, then its tail's)."""
         s = self.stack
         like = torch.empty(0, dtype=s.dtype, device=s.device)  # what the rotary module reads: dtype and device
         own = range(c.shared, c.shared + c.span)  # the rows' own tokens' positions, after a shared prefix
@@ -735,7 +751,11 @@ class Prefill:
         like = torch.empty(0, dtype=s.dtype, device=s.device)
         cos, sin = s.rotary(like, torch.arange(n, device=s.device)[None])
         q, k, v = s.qkv(layer, x, masks, cos, sin, weights, ops=self.ops)
-        prefix.kv.append((k, v))
+        # Copies of their own: `k` and `v` are views of the rotary output and the joint q/k/v matmul output
+        # (queries included, rows padded), which kept views would hold whole.
+        prefix.kv.append(
+            (k.clone(memory_format=torch.contiguous_format), v.clone(memory_format=torch.contiguous_format))
+        )
         if final:
             prefix.hidden = None
             return

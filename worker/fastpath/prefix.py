@@ -1,13 +1,13 @@
 """A prompt prefix every row of a take shares, run through the layers once instead of once per row.
 
-A model's chat template puts the same tokens before every prompt -- its system part: 19 tokens of Laya's, 44 of
+A model's chat template puts the same tokens before every prompt -- its system part: ~20 tokens of Laya's, ~45 of
 Kev's -- ~8-11% of a take's prompt tokens. Where every row of a take starts with the same tokens (at least
 `MIN_TOKENS`, all rows on one adapter), prefill runs those tokens once, as a one-row chunk in each layer, and the
 rows only from where they differ: each chunk's attention reads the prefix's keys and values before its own (a
 causal mask aligned to the bottom right: a row's token at suffix position s sees the prefix and the suffix up to
 s), and a generation take's cache gets the prefix's K/V in every row's columns, as though each row had run it.
 
-A prefix once made is kept (`PrefixCache`, a few per prefill, ~0.5 MiB each for a Qwen2.5-1.5B shape): the next
+A prefix once made is kept (`PrefixCache`, a few per prefill, ~28 KiB a token for a Qwen2.5-1.5B shape): the next
 takes with the same one run only their rows' own tokens, and not even the prefix's ~15 launches a layer. What a
 take's rows have in common may run past the template ("Case 1" of rows numbered 100-199): a new prefix is cut
 back to what it shares with a kept one of its adapter where that is `MIN_TOKENS` or more, and a kept one serving
@@ -34,8 +34,13 @@ MIN_TOKENS = 16
 # row blocks (prefill's matmuls run at multiples of 256 rows) while each layer step still copies the prefix's K/V
 # before its own (Kev's 44 tokens before 1,024-token prompts, ~4%, ran 3% slower on the H200).
 MIN_SHARE = 0.05
-# Prefixes kept per prefill (least recently used dropped): one per model template and adapter, and a few more.
+# Prefixes kept per prefill (least recently used dropped): one per model template and adapter, and a few more;
+# at most `KEPT_TOKENS` tokens together: their K/V sit outside the memory plan (~28 KiB a token for a
+# Qwen2.5-1.5B shape: ~28 MiB at most, within the allocator headroom every take keeps).
 KEPT = 8
+KEPT_TOKENS = 1024
+# The most tokens a prefix holds (the rows run the rest of what they share themselves).
+MAX_TOKENS = 512
 
 
 class Row(Protocol):
@@ -95,7 +100,8 @@ def common_prefix(rows: Sequence[Row], min_tokens: int) -> tuple[int, ...] | Non
 
 
 class PrefixCache:
-    """The prefixes made so far (least recently used dropped past `KEPT`), and which one a take's rows share."""
+    """The prefixes made so far (least recently used dropped past `KEPT` of them or `KEPT_TOKENS` tokens), and
+    which one a take's rows share."""
 
     def __init__(self, min_tokens: int = MIN_TOKENS, kept: int = KEPT, min_share: float = MIN_SHARE) -> None:
         self.min_tokens = min_tokens  # 0: no sharing
@@ -105,26 +111,29 @@ class PrefixCache:
         self.made = 0  # prefixes made so far (each one a pass through the layers: a benchmark figure)
 
     def for_rows(self, rows: Sequence[Row], layers: int) -> SharedPrefix | None:
-        """The longest kept prefix the rows share, or a new one of all they have in common (made by the take),
-        or None (sharing off, too few tokens in common or too small a share of the rows' tokens, or several
-        adapters)."""
+        """The longest kept prefix the rows share, or a new one of what they have in common (made by the take;
+        rows of two or more), or None (sharing off, too few tokens in common or too small a share of the rows'
+        tokens, or several adapters)."""
         if self.min_tokens <= 0:
             return None
         prefix = self._for_rows(rows, layers)
         if prefix is None or prefix.length * len(rows) < self.min_share * sum(len(r.ids) for r in rows):
             return None
+        key = (prefix.adapter, prefix.ids)
+        if key in self._made:
+            self._made.move_to_end(key)
         return prefix
 
     def _for_rows(self, rows: Sequence[Row], layers: int) -> SharedPrefix | None:
         kept = [p for p in self._made.values() if p.made(layers) and p.serves(rows)]
-        common = common_prefix(rows, self.min_tokens)
         best = max(kept, key=lambda p: p.length, default=None)
-        if best is not None and (common is None or len(common) < best.length + self.min_tokens):
-            self._made.move_to_end((best.adapter, best.ids))
+        common = common_prefix(rows, self.min_tokens) if len(rows) > 1 else None
+        if common is None or (best is not None and len(common) < best.length + self.min_tokens):
             return best
-        if common is None:
-            return None
-        return SharedPrefix(ids=self._settled(common, rows[0].adapter), adapter=rows[0].adapter)
+        ids = self._settled(common[:MAX_TOKENS], rows[0].adapter)
+        if best is not None and len(ids) <= best.length:
+            return best
+        return self._made.get((rows[0].adapter, ids)) or SharedPrefix(ids=ids, adapter=rows[0].adapter)
 
     def _settled(self, common: tuple[int, ...], adapter: str | None) -> tuple[int, ...]:
         """`common` cut back to where it parts from a kept prefix of `adapter`, where they share `min_tokens` or
@@ -154,10 +163,11 @@ class PrefixCache:
             )  # fmt: skip
         self._made[key] = prefix
         self._made.move_to_end(key)
-        while len(self._made) > self.kept:
+        while len(self._made) > self.kept or sum(p.length for p in self._made.values()) > KEPT_TOKENS:
             self._made.popitem(last=False)
 
     def clear(self) -> None:
+        """Let every kept prefix go (their K/V are memory the planner does not count: handed back with the pool)."""
         self._made.clear()
 
 
