@@ -64,6 +64,7 @@ def test_the_common_prefix_is_what_every_row_starts_with_leaving_each_a_token_of
     assert common_prefix(rows_after(PREFIX, [3]) + rows_after(PREFIX, [4], "laya"), 16) is None  # two adapters
     assert common_prefix(rows_after(PREFIX, [5, 6], None), 16) == tuple(PREFIX)  # the base model alone
     assert common_prefix([], 16) is None
+    assert common_prefix(rows, 16, most=18) == tuple(PREFIX[:18])
 
 
 def test_the_rows_own_tokens_follow_the_prefix() -> None:

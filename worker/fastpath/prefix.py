@@ -83,13 +83,15 @@ class SharedPrefix:
         return all(r.adapter == self.adapter and len(r.ids) > n and tuple(r.ids[:n]) == self.ids for r in rows)
 
 
-def common_prefix(rows: Sequence[Row], min_tokens: int) -> tuple[int, ...] | None:
-    """The tokens every row starts with, leaving each row at least one of its own; None where they are fewer
-    than `min_tokens` or the rows are on more than one adapter."""
+def common_prefix(rows: Sequence[Row], min_tokens: int, most: int | None = None) -> tuple[int, ...] | None:
+    """The tokens every row starts with (at most `most` of them), leaving each row at least one of its own; None
+    where they are fewer than `min_tokens` or the rows are on more than one adapter."""
     if not rows or len({r.adapter for r in rows}) > 1:
         return None
-    first = tuple(rows[0].ids)
     common = min(len(r.ids) for r in rows) - 1
+    if most is not None:
+        common = min(common, most)
+    first = tuple(rows[0].ids[:common])
     for r in rows[1:]:
         if common < min_tokens:
             return None
@@ -127,10 +129,10 @@ class PrefixCache:
     def _for_rows(self, rows: Sequence[Row], layers: int) -> SharedPrefix | None:
         kept = [p for p in self._made.values() if p.made(layers) and p.serves(rows)]
         best = max(kept, key=lambda p: p.length, default=None)
-        common = common_prefix(rows, self.min_tokens) if len(rows) > 1 else None
+        common = common_prefix(rows, self.min_tokens, MAX_TOKENS) if len(rows) > 1 else None
         if common is None or (best is not None and len(common) < best.length + self.min_tokens):
             return best
-        ids = self._settled(common[:MAX_TOKENS], rows[0].adapter)
+        ids = self._settled(common, rows[0].adapter)
         if best is not None and len(ids) <= best.length:
             return best
         return self._made.get((rows[0].adapter, ids)) or SharedPrefix(ids=ids, adapter=rows[0].adapter)
