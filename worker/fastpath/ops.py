@@ -246,7 +246,7 @@ def shifted_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     kernel aligns it to the bottom right, so on CUDA that kernel runs directly (grouped KV heads read as they
     are; what torch's `causal_lower_right` does, without its tensor subclass and dispatch on every layer step),
     elsewhere SDPA under the mask itself."""
-    if q.is_cuda and q.shape[-1] % 8 == 0 and _flash_runs(q, k, v):
+    if q.is_cuda and q.shape[-1] % 8 == 0 and reads_grouped_heads(q, k, v, causal=False):
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
     length, keys = q.shape[2], k.shape[2]
     sees = torch.ones(length, keys, dtype=torch.bool, device=q.device).tril(keys - length)
@@ -258,26 +258,19 @@ def shifted_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=sees, scale=scale)
 
 
-def _flash_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether flash attention takes these tensors (without a mask; grouped heads where they are fewer)."""
-    if not sdpa_has_gqa():  # torch < 2.5: no grouped heads, and `SDPAParams` without their flag
-        return False
-    from torch.backends.cuda import SDPAParams, can_use_flash_attention
-
-    return bool(can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, k.shape[1] != q.shape[1])))
-
-
-def reads_grouped_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def reads_grouped_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> bool:
     """Whether causal SDPA with `enable_gqa` runs a kernel that reads the KV heads as they are: on CUDA only
     flash attention does (asked of torch for these very tensors, under the kernels `prefill_attention`
-    allows), on the CPU every kernel does; never where this torch has no `enable_gqa`."""
+    allows), on the CPU every kernel does; never where this torch has no `enable_gqa`. `causal` False: asked
+    without SDPA's causal flag, which flash refuses for queries fewer than keys (`shifted_causal_attention`
+    runs flash's own causal kernel directly)."""
     if not sdpa_has_gqa():
         return False
     if q.device.type != "cuda":
         return True
     from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
-    return bool(can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, True, True)))
+    return bool(can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, causal, True)))
 
 
 @functools.cache

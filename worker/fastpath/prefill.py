@@ -613,7 +613,7 @@ class Prefill:
 
         def build(j: int) -> Built:
             c = self._chunk(prompts, parts[j], group[j], width, pad_id, tails, masks[j], shared)
-            return Built(chunk=c, rotary=self._rotary(c), hidden=self._embedded(c))
+            return Built(chunk=c, rotary=self._rotary(c), hidden=self._embedded(c.ids))
 
         chunks = GroupChunks(masks, build)
         passes = Passes.of(masks, merge=self.merge_lora)
@@ -632,9 +632,9 @@ class Prefill:
             # The last layer kept only the read columns, the last prompt's first.
             logits[b.chunk.where] = s.logits(b.hidden.x[:, 0])
 
-    def _embedded(self, c: Chunk) -> Hidden:
+    def _embedded(self, ids: torch.Tensor) -> Hidden:
         s = self.stack
-        h = s.embed(c.ids)
+        h = s.embed(ids)
         return Hidden(h=h, x=s.ops.norm(s.layers[0].norm1, h))
 
     def _rotary(self, c: Chunk) -> Rotary:
@@ -744,9 +744,8 @@ class Prefill:
         s = self.stack
         n = prefix.length
         if prefix.hidden is None:
-            ids = host_to_device(np.asarray(prefix.ids, dtype=np.int64)[None], s.device)
-            h = s.embed(ids)
-            prefix.hidden = (h, s.ops.norm(s.layers[0].norm1, h))
+            embedded = self._embedded(host_to_device(np.asarray(prefix.ids, dtype=np.int64)[None], s.device))
+            prefix.hidden = (embedded.h, embedded.x)
         h, x = prefix.hidden
         like = torch.empty(0, dtype=s.dtype, device=s.device)
         cos, sin = s.rotary(like, torch.arange(n, device=s.device)[None])
@@ -761,8 +760,7 @@ class Prefill:
             return
         out = causal_attention(q, k, v, scale=layer.scaling)
         attn = out.transpose(1, 2).reshape(1, n, s.heads * s.head_dim)
-        h, x = s.attn_out(layer, h, attn, masks, weights, ops=self.ops)
-        prefix.hidden = s.mlp(layer, h, x, masks, s.next_norm(i), weights, ops=self.ops)
+        prefix.hidden = s.rest(layer, h, attn, masks, s.next_norm(i), weights, ops=self.ops)
 
     def _with_tail(
         self, tail: ChunkTail, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int, scale: float
