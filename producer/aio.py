@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from producer.client import BatchHandle, Client
+from producer.reads import known_batch_id
 from shared.conn import check_url, connect_async, redis_url
 from shared.errors import WaitTimeoutError
 from shared.job import Job
@@ -47,7 +48,7 @@ class AsyncClient:
 
     async def status(self, batch: str) -> BatchRecord:
         async with self.redis.pipeline(transaction=False) as pipe:
-            queue_record_reads(pipe, self.keys, batch)
+            queue_record_reads(pipe, self.keys, known_batch_id(batch))
             raw, running, total, submits = await pipe.execute(raise_on_error=False)
         return batch_record(batch, raw, running, total, submits)
 

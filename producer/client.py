@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -163,6 +164,10 @@ class Client(BatchReads):
         if batch_id is not None:
             check_batch_id(batch_id)
         check_lane(lane)
+        if not (isinstance(completion_window_s, (int, float)) and 0 < completion_window_s < math.inf):  # NaN too
+            raise ValidationError(
+                f"completion window {completion_window_s!r} s: give a positive number of seconds", field="expires_in"
+            )
         parsed = self._validate_all(jobs, model)
         batch = batch_id or new_batch_id()
         state = batch_state(self.redis, self.keys, batch)
@@ -189,7 +194,12 @@ class Client(BatchReads):
         seen: set[str] = set()
         for index, item in enumerate(jobs, start=1):
             try:
-                job = item if isinstance(item, Job) else self.validate(item, default_model=model, position=index)
+                if isinstance(item, Job):
+                    # One `validate` made is taken as it is; one built by hand may hold anything: checked as a dict.
+                    valid = item.validated_under(self.limits)
+                    job = item if valid else Job.from_dict(item.to_dict(), limits=self.limits, allow_system=True)
+                else:
+                    job = self.validate(item, default_model=model, position=index)
             except ValidationError as exc:
                 errors.append(exc.at_line(index))
                 continue

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import orjson
 
-from producer.openai_format import from_openai, is_openai_line
+from producer.openai_format import ENVELOPE, from_openai, is_openai_line
 from shared.errors import SubmissionError, ValidationError
 from shared.job import DEFAULT_LIMITS, Job, Limits
 
@@ -72,6 +72,8 @@ def parse_line(
         raise ValidationError(f"invalid JSON: {exc}") from exc
     if is_openai_line(obj):
         obj = from_openai(obj, model_map=model_map)
+    elif isinstance(obj, dict) and {"method", "url"} & set(obj) and set(obj) <= ENVELOPE:
+        raise ValidationError("an OpenAI Batch line needs a 'body' (the request)", field="body")
     if isinstance(obj, dict) and "custom_id" not in obj:
         obj = {**obj, "custom_id": f"line-{number}"}
     return Job.from_dict(obj, limits=limits, default_model=default_model)

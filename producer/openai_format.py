@@ -72,6 +72,11 @@ def from_openai(line: dict[str, Any], *, model_map: Mapping[str, str] | None = N
         if key in ("model", "messages", "prompt"):
             continue
         if key in _LIMITS:
+            if value is None:
+                continue  # unset, as OpenAI reads it: the other limit (or the model's) applies
+            if "max_new_tokens" in job and job["max_new_tokens"] != value:
+                given = ", ".join(f"'body.{k}' = {body[k]!r}" for k in _LIMITS)
+                raise ValidationError(f"{given}: give one token limit, or the same", field=f"body.{key}")
             job["max_new_tokens"] = value
         elif key in _DIRECT:
             job[_DIRECT[key]] = value

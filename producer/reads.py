@@ -12,8 +12,16 @@ from redis.exceptions import ResponseError
 
 from shared.enqueue import Queue, lane_depths
 from shared.errors import BatchNotFoundError, WaitTimeoutError
-from shared.keys import Keys, QueueRef, job_id
+from shared.keys import BATCH_ID_RE, Keys, QueueRef, job_id
 from shared.store import BatchRecord, iter_export, quarantine_summary, read_batch
+
+
+def known_batch_id(batch: str) -> str:
+    """`batch` if a submit could have made it; else BatchNotFoundError (an argument that is not UTF-8 would
+    otherwise fail in the Redis client's encoder, with a traceback)."""
+    if not isinstance(batch, str) or not BATCH_ID_RE.match(batch):
+        raise BatchNotFoundError(f"no batch {batch!r} (not a batch id: 1-128 letters, digits, '_' and '-')")
+    return batch
 
 
 class BatchReads:
@@ -24,7 +32,7 @@ class BatchReads:
     queues: dict[QueueRef, Queue]
 
     def status(self, batch: str) -> BatchRecord:
-        return read_batch(self.redis, self.keys, batch)
+        return read_batch(self.redis, self.keys, known_batch_id(batch))
 
     def wait(
         self, batch: str, *, poll_s: float = 0.5, timeout_s: float | None = None, on_poll: Any = None
@@ -70,7 +78,7 @@ class BatchReads:
 
     def iter_results(self, batch: str) -> Iterator[dict[str, Any]]:
         """One dict per item in input order: final answer (with its escalation chain) or error."""
-        return iter_export(self.redis, self.keys, batch)
+        return iter_export(self.redis, self.keys, known_batch_id(batch))
 
     def _worker_row(self, raw_name: bytes, age_s: float) -> dict[str, Any]:
         name = raw_name.decode("utf-8", "replace")

@@ -40,7 +40,7 @@ from shared.job import Job
 
 log = logging.getLogger("kevlaya.schedule")
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # part of batch ids (shared.keys.BATCH_ID_RE) and key names
+NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")  # part of batch ids (shared.keys.BATCH_ID_RE) and key names
 NAME_CHARS = "letters, digits, '_' and '-'"
 SLOT_CLAIM_TTL_S = 30 * 24 * 3600  # a slot's claim outlives any sensible batch window
 MISSED_LIST_CAP = 1000  # slots enumerated when reporting a long outage (the count beyond is still logged)

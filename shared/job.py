@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,7 +161,7 @@ class Job:
             )
         prompt, input_fields = _prompt_and_input(obj, limits)
         logprobs, top_logprobs = _logprobs(obj)
-        return cls(
+        job = cls(
             custom_id=_custom_id(obj.get("custom_id"), limits),
             model=_model(obj.get("model", default_model)),
             prompt=prompt,
@@ -180,12 +181,24 @@ class Job:
             parent=_parent(obj.get("parent")),
             lane=_lane(obj.get("lane")),
         )
+        _VALIDATED[id(job), limits] = job
+        return job
+
+    def validated_under(self, limits: Limits) -> bool:
+        """Whether `from_dict` made this very Job under `limits`: frozen, it is still valid there. A Job built by
+        hand or by `dataclasses.replace` is not known, and a submit checks it like a dict."""
+        return _VALIDATED.get((id(self), limits)) is self
+
+
+# The Jobs `from_dict` made, by identity and the limits they met; an entry goes with its Job.
+_VALIDATED: weakref.WeakValueDictionary[tuple[int, Limits], Job] = weakref.WeakValueDictionary()
 
 
 # ---- field validators (each raises ValidationError naming its field) ---------------------------
 def _custom_id(value: Any, limits: Limits) -> str:
     if not isinstance(value, str) or not value:
         raise ValidationError("'custom_id' must be a non-empty string", field="custom_id")
+    _utf8(value, "custom_id")
     if len(value) > limits.max_custom_id_chars:
         raise ValidationError(
             f"'custom_id' is {len(value)} characters; the limit is {limits.max_custom_id_chars}", field="custom_id"
@@ -221,12 +234,24 @@ def _prompt_and_input(obj: dict[str, Any], limits: Limits) -> tuple[str | None, 
     for name, value in fields.items():
         if not isinstance(value, str):
             raise ValidationError(f"'input.{name}' must be a string, got {type(value).__name__}", field="input")
+        _utf8(name, "input")
     _check_size("".join(fields.values()), limits.max_prompt_bytes, "input")
     return None, dict(fields)
 
 
+def _utf8(text: str, name: str) -> bytes:
+    """The text as UTF-8; a string that has none (a lone surrogate, possible from Python, never from JSON) is
+    refused here, naming its field, rather than by the encoder after the batch's first write."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValidationError(
+            f"'{name}' is not valid UTF-8 text (lone surrogate {text[exc.start]!r} at {exc.start})", field=name
+        ) from None
+
+
 def _check_size(text: str, limit: int, name: str) -> None:
-    size = len(text.encode("utf-8", "surrogatepass"))
+    size = len(_utf8(text, name))
     if size > limit:
         raise ValidationError(f"'{name}' is {size} bytes; the limit is {limit} bytes", field=name)
 
@@ -342,7 +367,8 @@ def _meta(value: Any, limits: Limits) -> Any:
 
 
 def _depth(value: Any) -> int:
-    """Nesting depth of lists and objects, without recursion (a hostile value can nest thousands deep)."""
+    """Nesting depth of lists and objects, without recursion (a hostile value can nest thousands deep); refuses
+    NaN and infinities, which are not JSON."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         node, level = stack.pop()
@@ -351,6 +377,8 @@ def _depth(value: Any) -> int:
         elif isinstance(node, (list, tuple)):
             children = node
         else:
+            if isinstance(node, float) and not math.isfinite(node):  # orjson would write it as null
+                raise ValidationError(f"'meta' holds {node!r}, which is not JSON", field="meta")
             continue
         deepest = max(deepest, level)
         stack.extend((child, level + 1) for child in children)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 DEFAULT_PREFIX = "kevlaya:"
 
 # What a batch id may be: it becomes part of Redis keys and RQ job ids, which the worker checks against
-# JOB_ID_RE before it trusts an id read from Redis.
-BATCH_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,256}$")
+# JOB_ID_RE before it trusts an id read from Redis. `\Z`, not `$`: `$` also matches before a final newline.
+BATCH_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}\Z")
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,256}\Z")
 
 # Priority lanes, highest first: each model has one RQ queue per lane. `interactive` work is taken first;
 # `bulk` (files, nightly runs) is never starved (worker.lanes), in full batches unless interactive work is live
