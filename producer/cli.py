@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -77,12 +78,33 @@ def _bar(**kwargs: Any) -> Any:
     return tqdm(file=sys.stderr, **kwargs)
 
 
+class Seconds(click.ParamType):
+    """A number of seconds: finite and not negative, or (`positive`) above 0. click's FloatRange lets NaN
+    through (no comparison with it is true): `--timeout nan` waited forever."""
+
+    name = "seconds"
+
+    def __init__(self, *, positive: bool = False) -> None:
+        self.positive = positive
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not math.isfinite(seconds) or seconds < 0 or (self.positive and seconds == 0):
+            self.fail(
+                f"{value!r}: give a {'positive' if self.positive else 'non-negative'} number of seconds", param, ctx
+            )
+        return seconds
+
+
 def expires_in_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """`--expires-in` (a batch's completion window, as `expires_in_s`), for each command that submits."""
     return click.option(
         "--expires-in",
         "expires_in_s",
-        type=float,
+        type=Seconds(positive=True),
         default=DEFAULT_COMPLETION_WINDOW_S,
         show_default=True,
         help=help_text,
@@ -118,7 +140,9 @@ def _client(ctx: click.Context) -> Client:
 @click.option("--model", type=click.Choice(MODEL_NAMES), default=None, help="Model for lines that name none.")
 @click.option("--batch-id", default=None, help="Add to (or resubmit into) this batch; known items are skipped.")
 @click.option("--wait", is_flag=True, help="Show a progress bar until every item is answered.")
-@click.option("--timeout", "timeout_s", type=float, default=None, help="With --wait: give up after this many seconds.")
+@click.option(
+    "--timeout", "timeout_s", type=Seconds(), default=None, help="With --wait: give up after this many seconds."
+)
 @click.option("--no-escalate", is_flag=True, help="Never escalate Laya answers to Kev in this batch.")
 @click.option("--model-map", default=None, help="OpenAI model names to kevlaya models: gpt-4o-mini=laya,gpt-4o=kev.")
 @click.option(
@@ -202,7 +226,9 @@ def _wait_with_bar(client: Client, batch: str, timeout_s: float | None = None) -
 @click.argument("batch", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with a `counts` object).")
 @click.option("--wait", is_flag=True, help="Show a progress bar until the batch is complete.")
-@click.option("--timeout", "timeout_s", type=float, default=None, help="With --wait: give up after this many seconds.")
+@click.option(
+    "--timeout", "timeout_s", type=Seconds(), default=None, help="With --wait: give up after this many seconds."
+)
 @click.pass_context
 def status(ctx: click.Context, batch: str | None, as_json: bool, wait: bool, timeout_s: float | None) -> None:
     """Counts, rate and ETA of BATCH; without BATCH, per model and lane the jobs queued and the oldest one's

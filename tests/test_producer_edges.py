@@ -14,7 +14,7 @@ from redis import Redis
 from producer.client import Client
 from producer.jsonl import parse_lines
 from producer.schedule import ScheduleSpec
-from shared.errors import BatchNotFoundError, SubmissionError, ValidationError
+from shared.errors import EXIT_USAGE, BatchNotFoundError, SubmissionError, ValidationError
 from shared.job import Job
 from shared.keys import BATCH_ID_RE, JOB_ID_RE
 
@@ -110,10 +110,28 @@ def test_a_valid_job_instance_still_goes_through(client: Client) -> None:
 
 # ---- --expires-in / completion_window_s -----------------------------------------------------------
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1"])
-def test_a_completion_window_that_is_not_a_positive_number_is_refused(redis_url: str, redis: Redis, value: str) -> None:
+def test_a_completion_window_that_is_not_a_positive_number_is_refused(
+    client: Client, redis_url: str, redis: Redis, value: str
+) -> None:
     proc = kevlaya(redis_url, "submit", "-", "--expires-in", value)
-    assert_one_line_error(proc, "completion window")
+    err = proc.stderr.decode()
+    assert proc.returncode == EXIT_USAGE and "Traceback" not in err, err  # a usage error, naming the option
+    assert "--expires-in" in err and "positive number of seconds" in err, err
+    with pytest.raises(ValidationError, match="completion window"):  # the Python client refuses it too
+        client.submit_batch([{"custom_id": "a", "model": "laya", "prompt": "p"}], completion_window_s=float(value))
     assert redis.dbsize() == 0
+
+
+@pytest.mark.parametrize("command", [("submit", "-", "--wait"), ("status", "b", "--wait")])
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_a_wait_timeout_that_is_not_a_number_of_seconds_is_refused(
+    redis_url: str, command: tuple[str, ...], value: str
+) -> None:
+    """`--timeout nan` waited forever (no comparison with NaN is true)."""
+    proc = kevlaya(redis_url, *command, "--timeout", value)
+    err = proc.stderr.decode()
+    assert proc.returncode == EXIT_USAGE and "Traceback" not in err, err
+    assert "--timeout" in err and "non-negative number of seconds" in err, err
 
 
 # ---- OpenAI lines: max_tokens and max_completion_tokens ---------------------------------------------

@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from producer.cli import Seconds
 from shared.conn import connect
 from shared.errors import KevlayaError
 from shared.keys import DEFAULT_PREFIX
@@ -59,7 +60,7 @@ def setup_logging(level: str) -> None:
     "--interactive-window-s",
     default=3.0,
     show_default=True,
-    type=click.FloatRange(min=0),
+    type=Seconds(),
     help="Interactive work counts as live this long after one was last seen waiting (bulk takes paced). "
     "0: never paced.",
 )
