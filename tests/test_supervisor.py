@@ -91,8 +91,10 @@ def test_parse_gpus_refuses(text: str, visible: str | None) -> None:
 
 
 # ---- the command: one child per GPU ------------------------------------------------------------------------------
-def test_gpus_spawns_one_named_worker_per_gpu_with_the_same_options(tmp_path: Path, fake_child: Path) -> None:
-    cli.add_command(worker_command)
+def test_gpus_spawns_one_named_worker_per_gpu_with_the_same_options(
+    tmp_path: Path, fake_child: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(cli.commands, "worker", worker_command)  # not left on the shared group for later tests
     result = CliRunner().invoke(
         cli,
         [
