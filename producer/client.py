@@ -285,45 +285,47 @@ class Client(BatchReads):
             pipe.execute(raise_on_error=False)
 
     # ---- retry ----------------------------------------------------------------------------
+    RETRY_TRIES = 50  # transactions tried while workers keep writing the batch's other results
+
     def retry_failed(self, batch: str) -> int:
-        """Run the batch's failed items again (errors other than cancelled and expired): each item's error
-        is removed and its job enqueued again in one transaction, so it is never both or neither. Returns
-        how many were requeued; an item whose job RQ no longer holds (expired) is left as it is."""
+        """Run the batch's failed items again (errors other than cancelled and expired): every error is removed
+        and its job enqueued again in one transaction, so an item is never both or neither, and the batch is
+        never seen complete (nor announced) half-way through the retry. Returns how many were requeued; an item
+        whose job RQ no longer holds (expired) is left as it is."""
         record = self.status(batch)
         if record.cancel_requested:
             raise BatchClosedError(f"batch {batch!r} is cancelled; nothing to retry")
-        failed: dict[str, dict[str, Any]] = {}
-        for cid, raw in self.redis.hscan_iter(self.keys.batch_results(batch)):
-            row = orjson.loads(raw)
-            error = row.get("error") or {}
-            if error and error.get("type") not in (CANCELLED, EXPIRED):
-                failed[row["job_id"]] = {**row, "custom_id": cid.decode()}
-        jobs = stored_jobs(self.redis, list(failed))
-        requeued = 0
-        for jid, job in jobs.items():
-            requeued += self._requeue_failed(batch, jid, job, failed[jid])
-        return requeued
-
-    def _requeue_failed(self, batch: str, jid: str, job: Job, row: dict[str, Any]) -> int:
+        if record.window_ends_at is not None and time.time() > record.window_ends_at:
+            raise BatchClosedError(f"batch {batch!r} is past its completion window; a retried item would expire")
         results, key = self.keys.batch_results(batch), self.keys.batch(batch)
-        with self.redis.pipeline() as pipe:
-            try:
-                pipe.watch(results)
-                current = pipe.hget(results, row["custom_id"])
-                if current is None or not (orjson.loads(current).get("error")):
-                    return 0
-                pipe.multi()
-                pipe.hdel(results, row["custom_id"])
-                pipe.hincrby(key, "failed", -1)
-                pipe.hdel(key, "notified_at")  # the batch is announced again when it finishes again
-                pipe.hdel(job_key(jid), "kevlaya_crashes")  # a fresh start: earlier crashes no longer count
-                if row.get("escalated_from"):
-                    pipe.hincrby(key, "followups_done", -1)
-                enqueue_entries(pipe, self.queues, [Entry(jid, job)], self.enqueue)
-                pipe.execute()
-                return 1
-            except WatchError:
-                return 0  # a worker wrote meanwhile: look again with another retry
+        for _ in range(self.RETRY_TRIES):
+            with self.redis.pipeline() as pipe:
+                try:
+                    pipe.watch(results)  # a worker writing any result meanwhile: read again, try again
+                    failed: dict[str, dict[str, Any]] = {}
+                    for cid, raw in pipe.hscan_iter(results):
+                        row = orjson.loads(raw)
+                        error = row.get("error") or {}
+                        if error and error.get("type") not in (CANCELLED, EXPIRED):
+                            failed[row["job_id"]] = {**row, "custom_id": cid.decode()}
+                    jobs = stored_jobs(self.redis, list(failed))
+                    if not jobs:
+                        return 0
+                    pipe.multi()
+                    for jid in jobs:
+                        pipe.hdel(results, failed[jid]["custom_id"])
+                        pipe.hdel(job_key(jid), "kevlaya_crashes")  # a fresh start: earlier crashes no longer count
+                    pipe.hincrby(key, "failed", -len(jobs))
+                    followups = sum(1 for jid in jobs if failed[jid].get("escalated_from"))
+                    if followups:
+                        pipe.hincrby(key, "followups_done", -followups)
+                    pipe.hdel(key, "notified_at")  # the batch is announced again when it finishes again
+                    enqueue_entries(pipe, self.queues, [Entry(jid, job) for jid, job in jobs.items()], self.enqueue)
+                    pipe.execute()
+                    return len(jobs)
+                except WatchError:
+                    continue
+        raise KevlayaError(f"batch {batch}: its results kept changing; nothing was retried, try again")
 
     # ---- cancel ---------------------------------------------------------------------------
     def cancel(self, batch: str) -> int:
@@ -333,7 +335,10 @@ class Client(BatchReads):
         """
         if self.status(batch).complete:  # raises BatchNotFoundError for an unknown batch
             return 0  # nothing left to cancel: a finished batch keeps its status
-        self.redis.hset(self.keys.batch(batch), mapping={"cancel_requested": "1", "cancelled_at": repr(time.time())})
+        with self.redis.pipeline() as pipe:
+            pipe.hset(self.keys.batch(batch), "cancel_requested", "1")
+            pipe.hsetnx(self.keys.batch(batch), "cancelled_at", repr(time.time()))  # a second cancel keeps the first's
+            pipe.execute()
         custom_ids = [c.decode() for c in self.redis.lrange(self.keys.batch_items(batch), 0, -1)]
         by_id = {job_id(batch, c): c for c in custom_ids}
         base_ids = set(by_id)

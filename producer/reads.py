@@ -92,7 +92,9 @@ class BatchReads:
 
     def batches(self, *, limit: int = 20) -> list[BatchRecord]:
         """The newest batches first (those whose keys have expired are left out)."""
-        out = []
+        out: list[BatchRecord] = []
+        if limit <= 0:
+            return out
         for raw in self.redis.zrevrange(self.keys.batches(), 0, max(limit * 2, limit) - 1):
             try:
                 out.append(self.status(raw.decode("utf-8", "replace")))

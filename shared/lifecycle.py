@@ -6,7 +6,8 @@ validating -> in_progress -> finalizing -> completed | failed;  cancelling -> ca
 - finalizing: every item has an answer but escalated ones still wait for their follow-up;
 - completed: every item has its final answer or error; failed: every item ended with an error;
 - cancelling / cancelled: a cancel was asked; items still running finish;
-- expired: its completion window ended with items unanswered (they end as `expired`, never run).
+- expired: its completion window ended with items unanswered (queued ones end as `expired`, never run; running
+  ones finish, and the batch stays expired).
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ def batch_status(record: Any, now: float) -> str:
     complete = c.done >= c.total and not record.submitting
     if record.cancel_requested:
         return "cancelled" if complete else "cancelling"
+    ended = record.window_ends_at is not None
     if complete:
-        if c.expired:
+        # Once shown `expired` (the window ended with items unanswered), a batch stays expired: its last items
+        # finishing after the window must not turn a terminal word into `completed`.
+        last = record.last_done_at
+        if c.expired or (ended and last is not None and last > record.window_ends_at):
             return "expired"
         return "failed" if c.total and c.finished == 0 else "completed"
-    if record.window_ends_at is not None and now > record.window_ends_at:
+    if ended and now > record.window_ends_at:
         return "expired"
     if record.submitting:
         return "validating"

@@ -470,9 +470,11 @@ def quarantine_summary(redis: Redis, keys: Keys, n: int = 5) -> dict[str, Any]:
     recent = []
     for row in rows:
         try:
-            recent.append(orjson.loads(row))
+            entry = orjson.loads(row)
         except orjson.JSONDecodeError:
             continue
+        if isinstance(entry, dict):  # producer-writable: any other JSON value is left out, not shown
+            recent.append(entry)
     return {"total": total, "recent": recent}
 
 

@@ -9,7 +9,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import orjson
 import redis.exceptions
@@ -33,6 +33,9 @@ def allowed(url: str, allow: Sequence[str]) -> bool:
     except ValueError:
         return False
     if got.username or got.password:
+        return False
+    # `/hooks/../admin` starts with `/hooks` but is `/admin` to any server that resolves dot segments.
+    if any(seg in (".", "..") for seg in unquote(got.path).replace("\\", "/").split("/")):
         return False
     for prefix in allow:
         want = urlsplit(prefix)
@@ -101,10 +104,21 @@ class Notifier:
         log.error("notices: batch %s: POST to %s failed %d times; giving up", batch, url, len(RETRY_DELAYS_S) + 1)
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is not followed: its target is a URL the allowlist never saw (urllib would turn the POST into a
+    GET of any address the answer names). The 3xx reads as a failed try."""
+
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 def _post(url: str, body: bytes) -> bool:
     request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=POST_TIMEOUT_S) as resp:
+        with _OPENER.open(request, timeout=POST_TIMEOUT_S) as resp:
             return 200 <= resp.status < 300
     except (urllib.error.URLError, TimeoutError, OSError) as exc:
         log.warning("notices: POST to %s failed: %s", url, exc)
