@@ -474,8 +474,9 @@ class BatchWorker:
         if raw is None or raw.problem is not None:
             return capacity
         # The settler's own checks, without a log line per look: a job that cannot run fails in its take.
-        job = self.settler.decode(Row(ref.model, raw, lane=ref.lane)).job
-        if job is None:
+        decoded = self.settler.decode(Row(ref.model, raw, lane=ref.lane))
+        job = decoded.job
+        if job is None or decoded.foreign:
             return capacity
         try:
             if not self.engine.expect(job):
@@ -500,8 +501,9 @@ class BatchWorker:
         ahead: Prepared | None = None
         try:
             if prepared.take.dead:
-                self.stats.dead_lettered += len(rows)
-                self._write(dead_letter(self.settler, rows))
+                failed = dead_letter(self.settler, rows)
+                self.stats.dead_lettered += sum(1 for r in failed if r.result is not None)
+                self._write(failed)
             else:
                 ahead = self._process(prepared, unwritten)
         finally:

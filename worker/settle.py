@@ -8,6 +8,7 @@ bookkeeping (one pipeline per queue): a crash in between re-runs a job, never lo
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -19,7 +20,7 @@ from redis import Redis
 from shared.enqueue import EnqueueSettings, Entry, enqueue_absent, queues_for
 from shared.errors import BAD_PAYLOAD, CANCELLED, EXPIRED, WORKER_DIED, ValidationError
 from shared.job import Job
-from shared.keys import Keys, QueueRef
+from shared.keys import BATCH_ID_RE, Keys, QueueRef, job_id
 from shared.result import Result
 from shared.store import BatchFlags, batch_flags, promote_step, record_results, reopen_failed
 from worker.config import ModelsConfig
@@ -30,16 +31,35 @@ from worker.rqcompat import RawJob, RQBridge
 log = logging.getLogger("kevlaya.worker")
 
 # Which of one batch's items hold an answer: in its results, or (ARGV[1] '1': a model that escalates, whose
-# escalated step is an answer too) in its steps. ARGV[2..]: custom ids. One call a batch a take, not one a job.
+# escalated step is an answer too) in its steps. ARGV[2..]: (custom id, job id) a job. One call a batch a take, not
+# one a job. A job of a model that escalates whose item's final answer is its own follow-up's, with no step of its
+# own recorded, is not done: it was killed after enqueuing the follow-up and before writing its step, and the
+# follow-up answered first; it runs again to record its step (the follow-up exists: none is enqueued again).
 _ANSWERED_LUA = """
 local out = {}
-for i = 2, #ARGV do
-  local found = redis.call('HEXISTS', KEYS[1], ARGV[i])
-  if found == 0 and ARGV[1] == '1' then found = redis.call('HEXISTS', KEYS[2], ARGV[i]) end
+for i = 2, #ARGV, 2 do
+  local cid, job = ARGV[i], ARGV[i + 1]
+  local found = 0
+  if ARGV[1] == '1' then
+    found = redis.call('HEXISTS', KEYS[2], cid)
+    if found == 0 then
+      local raw = redis.call('HGET', KEYS[1], cid)
+      if raw then
+        found = 1
+        local ok, row = pcall(cjson.decode, raw)
+        if ok and type(row) == 'table' and row['escalated_from'] == job then found = 0 end
+      end
+    end
+  else
+    found = redis.call('HEXISTS', KEYS[1], cid)
+  end
   out[#out + 1] = found
 end
 return out
 """
+
+
+_DIGEST_RE = re.compile(r"[0-9a-f]{20}")
 
 
 @dataclass(frozen=True)
@@ -52,6 +72,9 @@ class Row:
     result: Result | None = None
     lane: str = field(kw_only=True)  # the lane it was taken from: its started entry is in that queue's registry
     exec_id: str | None = field(default=None, kw_only=True)  # its take's execution id (None: the bridge's last)
+    # A job of another configured model, found on this queue (an id pushed where it does not belong): moved to its
+    # own queue, never answered from here.
+    foreign: bool = field(default=False, kw_only=True)
 
     @property
     def ref(self) -> QueueRef:
@@ -94,10 +117,10 @@ class Settler:
 
     # ---- before the engine --------------------------------------------------------------------
     def triage(self, taken: Sequence[Row]) -> Triage:
-        decoded = [self.decode(row) for row in taken]
+        decoded = self._own(self._once([self.decode(row) for row in taken]))
         jobs = [row for row in decoded if row.job is not None and row.result is None]
         self._reopen_requeued(jobs)
-        done = self._already_done(jobs)
+        done = self.already_done(jobs)
         flags = self._flags({row.job.batch for row in jobs if row.job and row.job.batch})
         settled: list[Row] = []
         runnable: list[Row] = []
@@ -132,9 +155,42 @@ class Settler:
         except Exception as exc:  # any bytes can be in Redis: whatever the validator trips on fails this job only
             return replace(row, result=self.failure_from(row, BAD_PAYLOAD, f"unreadable payload: {type(exc).__name__}"))
         if job.model != row.model:
+            if job.model in self.config.models:  # its own queue runs it; an error here would end its item
+                return replace(row, job=job, foreign=True)
             msg = f"job for {job.model!r} found on the {row.model} queue"
             return replace(row, result=self.failure_from(row, BAD_PAYLOAD, msg))
         return replace(row, job=job)
+
+    @staticmethod
+    def _once(rows: Sequence[Row]) -> list[Row]:
+        """Each job once per take: an id queued twice and taken twice in one take shares one started entry (its
+        id and the take's execution id), so its copies are one job, run once; the later copies are dropped."""
+        seen: set[tuple[QueueRef, str | None, str]] = set()
+        out = []
+        for row in rows:
+            key = (row.ref, row.exec_id, row.raw.id)
+            if key in seen:
+                log.warning("job %s was taken twice in one take; running it once", row.raw.id)
+                continue
+            seen.add(key)
+            out.append(row)
+        return out
+
+    def _own(self, rows: Sequence[Row]) -> list[Row]:
+        """Rows whose job belongs to another model's queue go there (to its front, out of this queue's started
+        registry, atomically), recorded in the quarantine list; the rest stay."""
+        out = []
+        for row in rows:
+            if row.foreign and row.job is not None:
+                target = row.job.queue
+                self.quarantine_put(row, f"job for {row.job.model!r} found on the {row.ref} queue; moved to {target}")
+                self.bridge.move_to(row.ref, target, row.raw.id, exec_id=row.exec_id)
+            else:
+                out.append(row)
+        return out
+
+    def quarantine_put(self, row: Row, reason: str) -> None:
+        self.bridge.quarantine.put(self.bridge.queues[row.ref].key, reason, row.raw.id)
 
     def _reopen_requeued(self, rows: Sequence[Row]) -> None:
         """Jobs recorded as failed and then requeued (`rq requeue`, retry-failed) run again: their failure is
@@ -150,7 +206,7 @@ class Settler:
                 pass  # a batch key of the wrong type: writing this job's result refuses it (and quarantines)
         self.bridge.clear_failed([row.raw.id for row in requeued])
 
-    def _already_done(self, rows: Sequence[Row]) -> set[str]:
+    def already_done(self, rows: Sequence[Row]) -> set[str]:
         """Jobs whose result was written before a crash: a finished job never runs again."""
         # Per batch (and whether its model escalates: an escalated step is done too), (job id, custom id) pairs.
         groups: dict[tuple[str, bool], list[tuple[str, str]]] = {}
@@ -165,12 +221,13 @@ class Settler:
         with self.redis.pipeline(transaction=False) as pipe:
             for (batch, escalates), members in groups.items():
                 keys = [self.keys.batch_results(batch), self.keys.batch_steps(batch)]
-                self._answered(keys=keys, args=["1" if escalates else "0", *(cid for _, cid in members)], client=pipe)
+                pairs = [x for jid, cid in members for x in (cid, jid)]
+                self._answered(keys=keys, args=["1" if escalates else "0", *pairs], client=pipe)
             found = pipe.execute(raise_on_error=False)  # a wrong-typed batch key reads as "not done"
         done: set[str] = set()
         for members, answer in zip(groups.values(), found, strict=True):
             if isinstance(answer, list):
-                done.update(job_id for (job_id, _), f in zip(members, answer, strict=True) if f)
+                done.update(jid for (jid, _), f in zip(members, answer, strict=True) if f)
         return done
 
     def _flags(self, batches: set[str]) -> dict[str, BatchFlags]:
@@ -204,7 +261,14 @@ class Settler:
     def failure_from(self, row: Row, error_type: str, message: str) -> Result:
         payload = row.raw.payload or {}
         cid, batch, meta = payload.get("custom_id"), payload.get("batch"), payload.get("meta")
-        return Result.failure(
+        parent = None
+        if not (isinstance(cid, str) and isinstance(batch, str)):
+            # No readable payload (its hash deleted, or its data garbage): the item is found from the job's id, which
+            # kevlaya derives from it, so the item still ends with this error instead of pending forever.
+            found = self._item_of(row.raw.id)
+            if found is not None:
+                batch, cid, parent = found
+        result = Result.failure(
             custom_id=cid if isinstance(cid, str) else row.raw.id,
             model=row.model,
             job_id=row.raw.id,
@@ -213,6 +277,32 @@ class Settler:
             message=message,
             meta=meta if error_type == WORKER_DIED and isinstance(meta, (dict, list, str, int, float)) else None,
         )
+        return replace(result, escalated_from=parent) if parent else result
+
+    def _item_of(self, rq_id: str) -> tuple[str, str, str | None] | None:
+        """(batch, custom_id, parent job id or None) of the item a kevlaya job id was made for (shared.keys.job_id,
+        followup_id), by hashing the batch's custom ids; None if the id is none of kevlaya's or names no item."""
+        parent = None
+        for name in self.config.names:  # a follow-up's id: its parent's and the model it escalated to
+            if rq_id.endswith(f"-{name}"):
+                parent, rq_id = rq_id[: -len(name) - 1], rq_id[: -len(name) - 1]
+                break
+        batch, sep, digest = rq_id.rpartition("-")
+        if not sep or not BATCH_ID_RE.match(batch) or not _DIGEST_RE.fullmatch(digest):
+            return None
+        try:
+            start = 0
+            while True:
+                chunk = self.redis.lrange(self.keys.batch_items(batch), start, start + 999)
+                for raw in chunk:
+                    cid = raw.decode("utf-8", "surrogatepass")
+                    if job_id(batch, cid) == rq_id:
+                        return batch, cid, parent
+                if len(chunk) < 1000:
+                    return None
+                start += 1000
+        except (redis.exceptions.ResponseError, UnicodeError):
+            return None
 
     @staticmethod
     def failure(row: Row, job: Job, error_type: str, message: str) -> Result:
@@ -329,9 +419,17 @@ def by_batch(rows: Sequence[Row]) -> dict[str, list[str]]:
 
 
 def dead_letter(settler: Settler, rows: Sequence[Row]) -> list[Row]:
-    """Rows whose job killed its worker again while running alone: failed for good, never run again."""
+    """Rows whose job killed its worker again while running alone: failed for good, never run again. A job whose
+    answer was written before that crash (killed between its write and RQ's bookkeeping) keeps its answer: only its
+    bookkeeping is left, as for any job found answered."""
+    decoded = [settler.decode(row) for row in rows]
+    done = settler.already_done([r for r in decoded if r.job is not None and r.result is None])
     out = []
     for row in rows:
+        if row.raw.id in done:
+            log.warning("job %s: its worker died after its answer was written; keeping the answer", row.raw.id)
+            out.append(replace(row, job=None, result=None))
+            continue
         log.error("job %s: its worker died each time it ran (%d crashes); failing it", row.raw.id, row.raw.crashes)
         message = f"the worker died while running it ({row.raw.crashes} crashes)"
         out.append(replace(row, result=settler.failure_from(row, WORKER_DIED, message)))

@@ -308,6 +308,14 @@ class RQBridge(Registration, Reclaim):
             self._script_on_queue(ref, self._requeue, [self.started[ref].key, self.queues[ref].key, _JOB_PREFIX], args)
             self.redis.publish(self.keys.queued(), ref.lane)
 
+    def move_to(self, ref: QueueRef, target: QueueRef, job_id: str, *, exec_id: str | None = None) -> None:
+        """A job taken from `ref` that belongs to `target`'s queue: out of `ref`'s started registry and onto the front
+        of `target`'s queue, in one step (no crash or attempt counted)."""
+        member = f"{job_id}:{exec_id or self.exec_id}".encode()
+        keys = [self.started[ref].key, self.queues[target].key, _JOB_PREFIX]
+        self._script_on_queue(target, self._requeue, keys, [member, job_id])
+        self.redis.publish(self.keys.queued(), target.lane)
+
     def idle_peers(self, *, live_s: float) -> int:
         """Workers between takes now, this one aside, with a heartbeat within `live_s` (as a take counts them)."""
         live_since = time.time() - live_s

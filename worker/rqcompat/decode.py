@@ -47,9 +47,10 @@ def parse_rq_time(value: bytes | str | None) -> float | None:
 
 
 def _int(value: bytes | None) -> int:
-    """A counter field read from Redis; garbage reads as 0."""
+    """A counter field read from Redis; garbage reads as 0, and so does a negative count (a crash count of -10**9
+    would let a poison job crash-loop its workers that many times before it is dead-lettered)."""
     try:
-        return int(value or 0)
+        return max(int(value or 0), 0)
     except ValueError:
         return 0
 
