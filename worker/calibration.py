@@ -86,20 +86,21 @@ class Calibration:
         method = table.get("method", TEMPERATURE)
         if method not in METHODS:
             raise ConfigError(f"{where}: method must be one of {METHODS}, got {method!r}")
-        temps = {k: float(table.get(k, 1.0)) for k in ("temperature", "choices_temperature")}
+        temps = {k: _number(table, k, where, 1.0) for k in ("temperature", "choices_temperature")}
         if not all(0.0 < t < math.inf for t in temps.values()):
             raise ConfigError(f"{where}: temperatures must be positive and finite, got {temps}")
-        knots = tuple((float(x), float(y)) for x, y in table.get("isotonic", ()))
+        knots = _knots(table.get("isotonic", []), where)
         if method == ISOTONIC and not knots:
             raise ConfigError(f"{where}: method = 'isotonic' needs 'isotonic' knots [[raw, calibrated], ...]")
-        if any(b[0] < a[0] for a, b in itertools.pairwise(knots)):
-            raise ConfigError(f"{where}: isotonic knots must be sorted by their raw confidence")
+        fitted_on = table.get("fitted_on", "")
+        if not isinstance(fitted_on, str):
+            raise ConfigError(f"{where} fitted_on = {fitted_on!r}: must be a string")
         return cls(
             method=method,
             isotonic=knots,
-            ece_before=_optional_float(table.get("ece_before")),
-            ece_after=_optional_float(table.get("ece_after")),
-            fitted_on=str(table.get("fitted_on", "")),
+            ece_before=_number(table, "ece_before", where, None),
+            ece_after=_number(table, "ece_after", where, None),
+            fitted_on=fitted_on,
             **temps,
         )
 
@@ -285,5 +286,32 @@ def _golden_min(f: Any, lo: float, hi: float, *, tol: float = 1e-5) -> float:
     return (a + b) / 2
 
 
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _number(table: dict[str, Any], key: str, where: str, default: Any) -> Any:
+    """A numeric key of the table (TOML integer or float; a string or bool is refused, never converted)."""
+    value = table.get(key, default)
+    if value is default:
+        return value
+    if not _is_number(value):
+        raise ConfigError(f"{where} {key} = {value!r}: must be a number")
+    return float(value)
+
+
+def _knots(value: Any, where: str) -> tuple[tuple[float, float], ...]:
+    """Isotonic knots: [raw, calibrated] pairs of probabilities, raw sorted, calibrated non-decreasing (the map
+    keeps the order of the confidences, and serves a probability)."""
+    if not isinstance(value, list) or not all(
+        isinstance(k, list) and len(k) == 2 and all(_is_number(v) for v in k) for k in value
+    ):
+        raise ConfigError(f"{where} isotonic = {value!r}: must be a list of [raw, calibrated] number pairs")
+    knots = tuple((float(x), float(y)) for x, y in value)
+    if not all(0.0 <= v <= 1.0 for knot in knots for v in knot):  # NaN fails this too
+        raise ConfigError(f"{where} isotonic = {value!r}: every raw and calibrated value must be in [0, 1]")
+    if any(b[0] < a[0] for a, b in itertools.pairwise(knots)):
+        raise ConfigError(f"{where} isotonic: knots must be sorted by their raw confidence")
+    if any(b[1] < a[1] for a, b in itertools.pairwise(knots)):
+        raise ConfigError(f"{where} isotonic: calibrated values must not decrease as the raw confidence grows")
+    return knots

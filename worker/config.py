@@ -77,6 +77,9 @@ class ModelsConfig:
     bases: dict[str, BaseSpec]
     models: dict[str, ModelSpec]
     stop_strings: tuple[str, ...] = field(default=("<|im_end|>", "<|endoftext|>"))
+    # Whether the file set `stop_strings`: those must each be one token of every base (checked at load);
+    # the defaults stop where the tokenizer knows them (Qwen's two), else at its EOS.
+    stop_strings_set: bool = False
 
     def base_of(self, model: str) -> BaseSpec:
         return self.bases[self.models[model].base]
@@ -97,6 +100,10 @@ def load_config(path: str | Path, *, check_paths: bool = True) -> ModelsConfig:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise ConfigError(f"models config not found: {path}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): TOML files are UTF-8") from exc
+    except OSError as exc:  # a directory, no permission, an I/O error
+        raise ConfigError(f"{path}: cannot read the models config: {exc.strerror or exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
     config = _parse(raw, path)
@@ -131,13 +138,17 @@ def _parse(raw: dict[str, Any], path: Path) -> ModelsConfig:
     targets = {t for n, table in tables.items() if (t := _escalates_to(n, table))}
     models = {n: _model(n, t, bases, root, where, is_target=n in targets) for n, t in tables.items()}
     _check_escalation_targets(models, where)
-    stops = tuple(file.stop_strings) if file.stop_strings is not None else ("<|im_end|>", "<|endoftext|>")
-    return ModelsConfig(path=path, bases=bases, models=models, stop_strings=stops)
+    if file.stop_strings is None:
+        return ModelsConfig(path=path, bases=bases, models=models)
+    stops = tuple(file.stop_strings)
+    return ModelsConfig(path=path, bases=bases, models=models, stop_strings=stops, stop_strings_set=True)
 
 
 def _bases(file: ConfigFile, root: Path, where: str) -> dict[str, BaseSpec]:
     tables = dict(file.bases)
     if file.base is not None:
+        if DEFAULT_BASE in tables:
+            raise ConfigError(f"{where}: [base] and [bases.{DEFAULT_BASE}] are the same base: keep one")
         tables[DEFAULT_BASE] = file.base
     if not tables:
         raise ConfigError(f"{where}: the config needs a [base] table (or [bases.NAME] tables)")
@@ -162,6 +173,8 @@ def _model(
 ) -> ModelSpec:
     defaults = defaults_for(name)
     base = table.base or (DEFAULT_BASE if DEFAULT_BASE in bases else next(iter(bases)))
+    if table.base is None and DEFAULT_BASE not in bases and len(bases) > 1:
+        raise ConfigError(f"{where}: [models.{name}] base: several bases ({', '.join(bases)}), so name one")
     if base not in bases:
         raise ConfigError(f"{where}: [models.{name}] names base {base!r}; defined: {', '.join(bases)}")
     escalates_to = _escalates_to(name, table)

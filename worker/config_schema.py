@@ -4,12 +4,16 @@ its type, every refusal one line naming the file, the table, the key and -- for 
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic import ValidationError as PydanticError
 
 from shared.errors import ConfigError
+from shared.job import DEFAULT_LIMITS
+
+# A string that must say something: an empty phrase is in every text, an empty path is the config's folder.
+NonEmpty = Annotated[str, Field(min_length=1)]
 
 
 class _Table(BaseModel):
@@ -26,18 +30,18 @@ class BaseTable(_Table):
 class EscalationTable(_Table):
     enabled: bool = True
     threshold: float = Field(0.7, ge=0.0, le=1.0)
-    phrases: list[str] | None = None
+    phrases: list[NonEmpty] | None = None
     max_chars: int = Field(400, ge=1)
 
 
 class ModelTable(_Table):
     base: str | None = None
-    adapter: str | None = None
+    adapter: NonEmpty | None = None
     template: str | None = None
     followup_template: str | None = None
     system: str | None = None
     max_input_tokens: int = Field(1024, ge=1)
-    max_new_tokens: int | None = Field(None, ge=1)
+    max_new_tokens: int | None = Field(None, ge=1, le=DEFAULT_LIMITS.max_new_tokens)  # no job may ask for more
     decision_prefix: str | None = "Decision:"
     escalates_to: str | None = None
     escalation: EscalationTable | None = None
@@ -49,7 +53,7 @@ class ConfigFile(_Table):
     base: BaseTable | None = None
     bases: dict[str, BaseTable] = Field(default_factory=dict)
     models: dict[str, ModelTable] = Field(default_factory=dict)
-    stop_strings: list[str] | None = None
+    stop_strings: list[NonEmpty] | None = None
 
 
 def parse_file(raw: dict[str, Any], *, where: str) -> ConfigFile:

@@ -17,6 +17,10 @@ def escalation_reason(
     if rule is None or not rule.enabled or batch_off or job_setting is False:
         return None
     threshold = job_setting if isinstance(job_setting, float) else rule.threshold
+    if confidence is None and threshold > 0:
+        # No decision span at all (a row that stopped at once): the least sure answer there is. `kevlaya eval`
+        # counts it as confidence 0 (worker.tools.evaluate), so the worker must escalate it too.
+        return f"no confidence (empty answer) < {threshold}"
     if confidence is not None and confidence < threshold:
         return f"confidence {confidence:.3f} < {threshold}"
     lowered = text.lower()

@@ -63,6 +63,8 @@ def load_all(config: ModelsConfig, device: torch.device) -> dict[str, LoadedBase
             gc.collect()
             torch.cuda.empty_cache()
         loaded[name] = load_base(config.bases[name], device)
+        if config.stop_strings_set:
+            check_stop_strings(loaded[name], config.stop_strings, config.path)
     for model in config.models.values():
         attach_adapter(loaded[model.base], model.name, model.adapter)
     return loaded
@@ -131,6 +133,19 @@ def stop_ids(base: LoadedBase, stop_strings: Sequence[str]) -> list[int]:
     ids = [tok.convert_tokens_to_ids(s) for s in stop_strings]
     ids = [i for i in ids if isinstance(i, int) and i != tok.unk_token_id]
     return ids or [tok.eos_token_id]
+
+
+def check_stop_strings(base: LoadedBase, stop_strings: Sequence[str], where: Path) -> None:
+    """Configured stop strings must each be one token of this base's tokenizer: a row stops on a token, so any
+    other string would be dropped without a word and generation would run past it."""
+    tok = base.tokenizer
+    for s in stop_strings:
+        i = tok.convert_tokens_to_ids(s)
+        if not isinstance(i, int) or i == tok.unk_token_id:
+            raise ConfigError(
+                f"{where}: stop_strings: {s!r} is not a single token of base {base.spec.name!r}'s tokenizer "
+                "(only single tokens can stop a row)"
+            )
 
 
 @contextlib.contextmanager
