@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import math
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import click
 import orjson
@@ -274,7 +277,13 @@ def status(ctx: click.Context, batch: str | None, as_json: bool, wait: bool, tim
 
 @cli.command()
 @click.argument("batch")
-@click.option("-o", "--output", type=click.File("wb"), default="-", help="Write JSONL here (default stdout).")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    default="-",
+    help="Write JSONL here (default stdout); written beside and renamed, so it is whole or untouched.",
+)
 @click.option(
     "--format",
     "fmt",
@@ -285,24 +294,48 @@ def status(ctx: click.Context, batch: str | None, as_json: bool, wait: bool, tim
     "openai-completions: /v1/completions bodies), errors to --errors.",
 )
 @click.option(
-    "--errors", "errors_file", type=click.File("wb"), default=None, help="With --format openai*: error lines."
+    "--errors",
+    "errors_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="With --format openai*: error lines (an empty file when there are none).",
 )
 @click.pass_context
-def results(ctx: click.Context, batch: str, output: Any, fmt: str, errors_file: Any) -> None:
+def results(ctx: click.Context, batch: str, output: str, fmt: str, errors_file: str | None) -> None:
     """Export one JSON line per item of BATCH, in input order: its final answer or its error."""
     pending = 0
     url = COMPLETIONS_URL if fmt == "openai-completions" else CHAT_URL
-    for row in _client(ctx).iter_results(batch):
-        pending += bool(row.get("pending"))
-        if fmt == "kevlaya":
-            output.write(orjson.dumps(row) + b"\n")
-            continue
-        line, is_error = to_openai(row, url=url)
-        target = errors_file if is_error and errors_file is not None else output
-        target.write(orjson.dumps(line) + b"\n")
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(_atomic_output(output))
+        errors = stack.enter_context(_atomic_output(errors_file)) if errors_file is not None else out
+        for row in _client(ctx).iter_results(batch):
+            pending += bool(row.get("pending"))
+            if fmt == "kevlaya":
+                out.write(orjson.dumps(row) + b"\n")
+                continue
+            line, is_error = to_openai(row, url=url, batch=batch)
+            (errors if is_error else out).write(orjson.dumps(line) + b"\n")
     if pending:
         click.echo(f"note: {pending} item(s) still pending; exported what is done", err=True)
         sys.exit(EXIT_INCOMPLETE)
+
+
+@contextlib.contextmanager
+def _atomic_output(path: str) -> Iterator[BinaryIO]:
+    """Stdout for "-"; else a file written beside PATH and renamed onto it once complete: an export that fails
+    part-way leaves PATH as it was (and no temporary file), never a half export that looks whole."""
+    if path == "-":
+        yield click.open_file("-", "wb")
+        return
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb") as fh:
+            yield fh
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @cli.command()

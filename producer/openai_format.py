@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shared.errors import ValidationError
+from shared.keys import job_id as item_job_id
 
 ENVELOPE = frozenset({"custom_id", "method", "url", "body"})
 CHAT_URL = "/v1/chat/completions"
@@ -146,9 +147,10 @@ def _content(content: Any, i: int) -> str:
 
 
 # ---- output ------------------------------------------------------------------------------------
-def to_openai(row: dict[str, Any], *, url: str = CHAT_URL) -> tuple[dict[str, Any], bool]:
-    """(an OpenAI batch output line for one exported row, whether it is an error line)."""
-    job_id = row.get("job_id") or row["custom_id"]
+def to_openai(row: dict[str, Any], *, url: str = CHAT_URL, batch: str | None = None) -> tuple[dict[str, Any], bool]:
+    """(an OpenAI batch output line for one exported row, whether it is an error line). A pending row has no
+    job id yet: its item's own (`batch` given) keeps its line's id unique and the one it will have when answered."""
+    job_id = row.get("job_id") or (item_job_id(batch, row["custom_id"]) if batch else row["custom_id"])
     base = {"id": f"batch_req_{job_id}", "custom_id": row["custom_id"]}
     error = row.get("error")
     if row.get("pending"):

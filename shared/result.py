@@ -68,6 +68,7 @@ class Result:
     logprobs: list[TokenLogprob] | None = None  # per generated token, when the job asked (`logprobs: true`)
     usage: dict[str, int] = field(default_factory=dict)
     max_new_tokens: int | None = None  # the generation limit that applied (a follow-up: its own model's)
+    truncated: bool | None = None  # True: the answer ended at that limit, not at a stop token (finish "length")
     escalated_to: str | None = None
     escalated_from: str | None = None
     final: bool = True

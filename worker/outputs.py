@@ -36,6 +36,7 @@ class RowOutput:
     logprobs: list[TokenLogprob] | None = None  # per generated token, for a job that asked (`logprobs`)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    truncated: bool = False  # generation ended at its new-token limit, not at a stop token
     error: ErrorInfo | None = None
 
     @classmethod
@@ -94,6 +95,7 @@ def generated_output(
         logprobs=entries,
         prompt_tokens=len(item.ids),
         completion_tokens=used,
+        truncated=not stopped and end >= item.max_new,
     )
 
 

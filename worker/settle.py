@@ -339,6 +339,7 @@ class Settler:
             if out.error is None
             else {},
             max_new_tokens=self._limit(job),
+            truncated=True if out.truncated and out.error is None else None,
             escalated_from=job.parent.job_id if job.parent else None,
             timing=timing,
             model_version=dict(self.versions.get(job.model, {})),
