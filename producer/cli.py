@@ -6,7 +6,6 @@ import contextlib
 import importlib.util
 import logging
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ import orjson
 from redis import exceptions as redis_exceptions
 
 from producer.client import DEFAULT_COMPLETION_WINDOW_S, Client
-from producer.jsonl import parse_lines
+from producer.jsonl import parse_lines, written_whole
 from producer.openai_format import CHAT_URL, COMPLETIONS_URL, parse_model_map, to_openai
 from shared.conn import redis_problem
 from shared.errors import (
@@ -327,15 +326,8 @@ def _atomic_output(path: str) -> Iterator[BinaryIO]:
     if path == "-":
         yield click.open_file("-", "wb")
         return
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("wb") as fh:
-            yield fh
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with written_whole(Path(path)) as fh:
+        yield fh
 
 
 @cli.command()

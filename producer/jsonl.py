@@ -1,9 +1,13 @@
-"""Parse a JSONL submission into validated jobs, collecting one error per bad line."""
+"""Parse a JSONL submission into validated jobs, collecting one error per bad line; write an export file whole."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+import os
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
+from pathlib import Path
+from typing import BinaryIO
 
 import orjson
 
@@ -77,3 +81,17 @@ def parse_line(
     if isinstance(obj, dict) and "custom_id" not in obj:
         obj = {**obj, "custom_id": f"line-{number}"}
     return Job.from_dict(obj, limits=limits, default_model=default_model)
+
+
+@contextlib.contextmanager
+def written_whole(path: Path) -> Iterator[BinaryIO]:
+    """A file written beside `path` and renamed onto it once complete: readers never see half of it, and a write
+    that fails part-way leaves `path` as it was (and no temporary file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb") as fh:
+            yield fh
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -18,7 +18,6 @@ import contextlib
 import glob
 import logging
 import math
-import os
 import re
 import threading
 import time
@@ -34,7 +33,7 @@ from redis import exceptions as redis_exceptions
 from redis.exceptions import WatchError
 
 from producer.client import DEFAULT_COMPLETION_WINDOW_S, Client
-from producer.jsonl import parse_lines
+from producer.jsonl import parse_lines, written_whole
 from shared.errors import KevlayaError, SubmissionError, ValidationError
 from shared.job import Job
 
@@ -405,11 +404,9 @@ class SlotRunner:
         record = self.client.wait(run.batch, poll_s=2.0)
         path = self.spec.output_path(slot, run.batch)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with tmp.open("wb") as fh:
+        with written_whole(path) as fh:  # readers never see half a file
             for row in self.client.iter_results(run.batch):
                 fh.write(orjson.dumps(row) + b"\n")
-        os.replace(tmp, path)  # readers never see half a file
         counts = record.counts.to_dict()
         self.state.record(replace(run, status="exported", output=str(path), counts=counts))
         log.info("schedule %s: slot %s exported to %s (%s)", self.spec.name, run.slot, path, counts)

@@ -129,19 +129,21 @@ def attach_adapter(base: LoadedBase, model_name: str, adapter: Path | None) -> N
 
 def stop_ids(base: LoadedBase, stop_strings: Sequence[str]) -> list[int]:
     """The token ids of the configured stop strings this tokenizer knows as single tokens (else its EOS)."""
-    tok = base.tokenizer
-    ids = [tok.convert_tokens_to_ids(s) for s in stop_strings]
-    ids = [i for i in ids if isinstance(i, int) and i != tok.unk_token_id]
-    return ids or [tok.eos_token_id]
+    ids = [i for s in stop_strings if (i := _single_token(base.tokenizer, s)) is not None]
+    return ids or [base.tokenizer.eos_token_id]
+
+
+def _single_token(tok: Any, text: str) -> int | None:
+    """The id of `text` as one token of this tokenizer, or None."""
+    i = tok.convert_tokens_to_ids(text)
+    return i if isinstance(i, int) and i != tok.unk_token_id else None
 
 
 def check_stop_strings(base: LoadedBase, stop_strings: Sequence[str], where: Path) -> None:
     """Configured stop strings must each be one token of this base's tokenizer: a row stops on a token, so any
     other string would be dropped without a word and generation would run past it."""
-    tok = base.tokenizer
     for s in stop_strings:
-        i = tok.convert_tokens_to_ids(s)
-        if not isinstance(i, int) or i == tok.unk_token_id:
+        if _single_token(base.tokenizer, s) is None:
             raise ConfigError(
                 f"{where}: stop_strings: {s!r} is not a single token of base {base.spec.name!r}'s tokenizer "
                 "(only single tokens can stop a row)"

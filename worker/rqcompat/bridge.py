@@ -302,19 +302,21 @@ class RQBridge(Registration, Reclaim):
         """Jobs this worker took but will not run (a take made ahead that the next step does not want): back to
         the front of their queue in their order, no crash or attempt counted; idle workers woken (as a submit
         wakes them)."""
-        members = [(f"{job_id}:{exec_id}".encode(), job_id) for job_id in reversed(ids)]
-        args = [x for member, job_id in members for x in (member, job_id)]
-        if args:
-            self._script_on_queue(ref, self._requeue, [self.started[ref].key, self.queues[ref].key, _JOB_PREFIX], args)
-            self.redis.publish(self.keys.queued(), ref.lane)
+        self._to_front(ref, ref, list(reversed(ids)), exec_id)
 
     def move_to(self, ref: QueueRef, target: QueueRef, job_id: str, *, exec_id: str | None = None) -> None:
         """A job taken from `ref` that belongs to `target`'s queue: out of `ref`'s started registry and onto the front
         of `target`'s queue, in one step (no crash or attempt counted)."""
-        member = f"{job_id}:{exec_id or self.exec_id}".encode()
-        keys = [self.started[ref].key, self.queues[target].key, _JOB_PREFIX]
-        self._script_on_queue(target, self._requeue, keys, [member, job_id])
-        self.redis.publish(self.keys.queued(), target.lane)
+        self._to_front(ref, target, [job_id], exec_id or self.exec_id)
+
+    def _to_front(self, ref: QueueRef, target: QueueRef, ids: Sequence[str], exec_id: str) -> None:
+        """Jobs taken from `ref` under `exec_id`: out of its started registry and each pushed onto the front of
+        `target`'s queue in turn (the last of `ids` ends first), in one script; idle workers woken."""
+        args = [x for job_id in ids for x in (f"{job_id}:{exec_id}".encode(), job_id)]
+        if args:
+            keys = [self.started[ref].key, self.queues[target].key, _JOB_PREFIX]
+            self._script_on_queue(target, self._requeue, keys, args)
+            self.redis.publish(self.keys.queued(), target.lane)
 
     def idle_peers(self, *, live_s: float) -> int:
         """Workers between takes now, this one aside, with a heartbeat within `live_s` (as a take counts them)."""
