@@ -179,3 +179,15 @@ def test_out_of_memory_while_a_prefix_is_made_keeps_nothing_half_made(
         assert a.error is None and b.error is None and a.text == b.text
         for k in a.choices or {}:
             assert b.choices[k] == pytest.approx(a.choices[k], abs=1e-4)
+
+
+def test_kept_prefixes_alone_count_as_memory_a_release_frees(engine: Engine, fresh: Any) -> None:
+    """The out-of-memory guard retries a batch once only where releasing freed something: kept prefixes (their K/V
+    outside the plan) with no pool or graphs must count, and go with the release."""
+    decoded(engine, [DecodeRow(ids=PREFIX + own(i, 3 + i), max_new=2, adapter="kev") for i in range(3)], share=True)
+    assert len(fresh.prefill.prefixes) == 1
+    fresh.graphs.clear()
+    fresh.pool.release()
+    assert fresh.holds_memory()
+    fresh.release()
+    assert not fresh.holds_memory() and len(fresh.prefill.prefixes) == 0

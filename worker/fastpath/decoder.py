@@ -225,8 +225,9 @@ class StaticDecoder:
         return self.pool.views(rows, length)
 
     def holds_memory(self) -> bool:
-        """Whether `release` would free anything: a KV pool or captured graphs."""
-        return self.pool.buffer is not None or bool(self.graphs.entries)
+        """Whether `release` would free anything: a KV pool, captured graphs or kept prompt prefixes (their K/V,
+        up to `prefix.KEPT_TOKENS` tokens, lie outside the memory plan)."""
+        return self.pool.buffer is not None or bool(self.graphs.entries) or len(self.prefill.prefixes) > 0
 
     def release(self) -> None:
         """Drop the graphs, the KV pool and the kept prompt prefixes (after an out-of-memory error, or to hand

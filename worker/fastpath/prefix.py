@@ -168,6 +168,10 @@ class PrefixCache:
         while len(self._made) > self.kept or sum(p.length for p in self._made.values()) > KEPT_TOKENS:
             self._made.popitem(last=False)
 
+    def __len__(self) -> int:
+        """How many prefixes are kept (their K/V held on the device)."""
+        return len(self._made)
+
     def clear(self) -> None:
         """Let every kept prefix go (their K/V are memory the planner does not count: handed back with the pool)."""
         self._made.clear()
