@@ -156,10 +156,11 @@ class Client(BatchReads):
         however concurrently they are submitted: each chunk claims its items and enqueues them in one
         transaction (WATCH on the batch's item set), so an item is counted and enqueued once.
 
-        Raises SubmissionError (nothing enqueued) if any job is invalid or a custom_id repeats, and
-        BatchClosedError if `batch_id` names a cancelled or expired batch. Every check runs before the
-        first write. `progress`, if given, is called with the number of jobs handled so far. `lane` is the
-        lane of jobs that name none (`bulk` by default; `interactive` work is taken first).
+        Raises SubmissionError (nothing enqueued) if any job is invalid or a custom_id repeats,
+        ValidationError if there is no job at all, and BatchClosedError if `batch_id` names a cancelled or
+        expired batch. Every check runs before the first write. `progress`, if given, is called with the number
+        of jobs handled so far. `lane` is the lane of jobs that name none (`bulk` by default; `interactive` work
+        is taken first).
         """
         if batch_id is not None:
             check_batch_id(batch_id)
@@ -169,6 +170,8 @@ class Client(BatchReads):
                 f"completion window {completion_window_s!r} s: give a positive number of seconds", field="expires_in"
             )
         parsed = self._validate_all(jobs, model)
+        if not parsed:  # an empty batch would be announced complete at once, hiding the mistake
+            raise ValidationError("nothing to submit: no jobs given (an empty file, or blank lines only)")
         batch = batch_id or new_batch_id()
         state = batch_state(self.redis, self.keys, batch)
         if state in ("cancelled", "expired"):

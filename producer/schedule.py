@@ -333,6 +333,9 @@ class SlotRunner:
         self.state.record(run)
         try:
             jobs = self._read(files)
+            if not jobs:
+                self._record(replace(run, status="no-input", batch=None), "the input files hold no jobs")
+                return
             handle = self.client.submit_batch(
                 jobs, batch_id=batch, escalate=spec.escalate, completion_window_s=spec.expires_in_s
             )

@@ -94,6 +94,22 @@ def test_unknown_batch_exits_nonzero_with_message(redis_url: str, redis: Redis) 
     assert proc.returncode == 1 and "no batch 'zzz'" in proc.stderr
 
 
+@pytest.mark.parametrize("data", [b"", b"\n\n", b"  \n\t\n"])
+def test_an_empty_submission_is_refused_in_one_line_and_makes_no_batch(
+    redis_url: str, redis: Redis, data: bytes
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", "from producer.cli import main; main()", "--redis-url", redis_url, "submit", "-"],
+        input=data,
+        capture_output=True,
+    )
+    assert proc.returncode == 1 and proc.stdout == b""
+    assert proc.stderr.decode().splitlines() == [
+        "error: nothing to submit: no jobs given (an empty file, or blank lines only)"
+    ]
+    assert redis.dbsize() == 0
+
+
 def test_producer_does_not_import_torch() -> None:
     code = "import sys, producer, shared, producer.cli; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

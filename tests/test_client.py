@@ -38,6 +38,13 @@ def test_nothing_enqueued_when_any_item_is_bad(client: Client, redis: Redis) -> 
     assert redis.dbsize() == 0
 
 
+def test_an_empty_submission_is_refused_before_any_write(client: Client, redis: Redis) -> None:
+    for batch_id in (None, "b-empty"):
+        with pytest.raises(ValidationError, match="nothing to submit"):
+            client.submit_batch([], batch_id=batch_id)
+    assert redis.dbsize() == 0
+
+
 def test_resubmit_into_same_batch_is_idempotent(client: Client, redis: Redis) -> None:
     first = client.submit_batch(items(10))
     again = client.submit_batch(items(12), batch_id=first.id)

@@ -180,6 +180,12 @@ def test_bad_input_fails_the_slot_with_the_file_named(tmp_path: Path, redis: Red
     SlotRunner(client, empty, owner="a").run(utc(seconds=10))
     (run,) = ScheduleState(client, "empty").runs()
     assert run.status == "no-input"
+    (tmp_path / "blank.jsonl").write_text("\n")  # files that match but hold no job: no batch either
+    blank = ScheduleSpec(name="blank", every_s=10, inputs=(str(tmp_path / "blank*.jsonl"),), output="o.jsonl")
+    SlotRunner(client, blank, owner="a").run(utc(seconds=10))
+    (run,) = ScheduleState(client, "blank").runs()
+    assert (run.status, run.batch) == ("no-input", None)
+    assert redis.zcard(Keys().batches()) == 0
 
 
 # ---- the real command: RQ's cron scheduler, two of them ------------------------------------------------------
