@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from shared.errors import ValidationError
+from shared.errors import ValidationError, shown
 from shared.keys import job_id as item_job_id
 
 ENVELOPE = frozenset({"custom_id", "method", "url", "body"})
@@ -42,7 +42,7 @@ def parse_model_map(text: str | None) -> dict[str, str]:
             continue
         name, sep, model = pair.partition("=")
         if not sep or not name.strip() or not model.strip():
-            raise ValidationError(f"model map entry {pair!r} is not NAME=MODEL", field="model")
+            raise ValidationError(f"model map entry {shown(pair)} is not NAME=MODEL", field="model")
         out[name.strip()] = model.strip()
     return out
 
@@ -52,9 +52,9 @@ def from_openai(line: dict[str, Any], *, model_map: Mapping[str, str] | None = N
     cannot honour."""
     method, url = line.get("method", "POST"), line.get("url", CHAT_URL)
     if method != "POST":
-        raise ValidationError(f"'method' must be POST, got {method!r}", field="method")
+        raise ValidationError(f"'method' must be POST, got {shown(method)}", field="method")
     if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise ValidationError(f"'url' must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}", field="url")
+        raise ValidationError(f"'url' must be {CHAT_URL} or {COMPLETIONS_URL}, got {shown(url)}", field="url")
     body = line.get("body")
     if not isinstance(body, dict):
         raise ValidationError("'body' must be an object", field="body")
@@ -76,7 +76,7 @@ def from_openai(line: dict[str, Any], *, model_map: Mapping[str, str] | None = N
             if value is None:
                 continue  # unset, as OpenAI reads it: the other limit (or the model's) applies
             if "max_new_tokens" in job and job["max_new_tokens"] != value:
-                given = ", ".join(f"'body.{k}' = {body[k]!r}" for k in _LIMITS)
+                given = ", ".join(f"'body.{k}' = {shown(body[k])}" for k in _LIMITS)
                 raise ValidationError(f"{given}: give one token limit, or the same", field=f"body.{key}")
             job["max_new_tokens"] = value
         elif key in _DIRECT:
@@ -92,7 +92,7 @@ def from_openai(line: dict[str, Any], *, model_map: Mapping[str, str] | None = N
             continue
         else:
             raise ValidationError(
-                f"'body.{key}' = {value!r} is not supported by kevlaya (refused rather than ignored)",
+                f"'body.{key}' = {shown(value)} is not supported by kevlaya (refused rather than ignored)",
                 field=f"body.{key}",
             )
     return job
@@ -116,7 +116,7 @@ def _from_messages(messages: Any) -> dict[str, Any]:
             user.append(text)
         else:
             raise ValidationError(
-                f"'body.messages[{i}].role' = {role!r}: only system, developer and user messages are supported",
+                f"'body.messages[{i}].role' = {shown(role)}: only system, developer and user messages are supported",
                 field="body.messages",
             )
     if not user:
@@ -138,7 +138,7 @@ def _content(content: Any, i: int) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ValidationError(
-                    f"'body.messages[{i}].content' has a {kind!r} part; only text parts are supported",
+                    f"'body.messages[{i}].content' has a {shown(kind)} part; only text parts are supported",
                     field="body.messages",
                 )
             texts.append(part["text"])

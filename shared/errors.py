@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 # Stable error `type` strings written into results. Clients match on these: never rename one.
 INVALID_JOB = "invalid_job"
 NOT_ALLOWED = "not_allowed"
@@ -28,6 +30,22 @@ ERROR_TYPES = (
     WORKER_DIED,
     INTERNAL,
 )
+
+
+# The most characters of a given value an error message echoes: a megabyte-long field echoed whole filled
+# terminals and logs, once per bad line.
+SHOWN_CHARS = 80
+
+
+def shown(value: object) -> str:
+    """`repr(value)` for an error message, cut to `SHOWN_CHARS` with the full length named."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer past Python's digit limit for str()
+        return f"an integer of over {sys.get_int_max_str_digits()} digits"
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
 
 
 # Exit codes of the `kevlaya` command (README, "Exit codes").

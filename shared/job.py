@@ -11,7 +11,7 @@ import orjson
 
 from shared import SCHEMA_VERSION
 from shared import models as known_models
-from shared.errors import ValidationError
+from shared.errors import ValidationError, shown
 from shared.keys import BULK, LANES, QueueRef
 from shared.records import field_items
 
@@ -151,13 +151,13 @@ class Job:
         unknown = sorted(set(obj) - allowed)
         if unknown:
             raise ValidationError(
-                f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(allowed))}",
+                f"unknown field(s) {', '.join(map(shown, unknown))}; allowed: {', '.join(sorted(allowed))}",
                 field=unknown[0],
             )
         version = obj.get("v", SCHEMA_VERSION)
         if version != SCHEMA_VERSION:
             raise ValidationError(
-                f"unsupported schema version v={version!r} (this kevlaya speaks v={SCHEMA_VERSION})", field="v"
+                f"unsupported schema version v={shown(version)} (this kevlaya speaks v={SCHEMA_VERSION})", field="v"
             )
         prompt, input_fields = _prompt_and_input(obj, limits)
         logprobs, top_logprobs = _logprobs(obj)
@@ -214,7 +214,7 @@ def _model(value: Any) -> str:
         )
     names = known_models.MODEL_NAMES
     if value not in names:
-        raise ValidationError(f"unknown model {value!r}; allowed: {', '.join(names)}", field="model")
+        raise ValidationError(f"unknown model {shown(value)}; allowed: {', '.join(names)}", field="model")
     return value
 
 
@@ -269,7 +269,7 @@ def _choices(value: Any, limits: Limits) -> tuple[str, ...] | None:
             raise ValidationError("every entry of 'choices' must be a non-empty string", field="choices")
         _check_size(choice, limits.max_choice_bytes, "choices")
         if choice in seen:
-            raise ValidationError(f"duplicate choice {choice!r} in 'choices'", field="choices")
+            raise ValidationError(f"duplicate choice {shown(choice)} in 'choices'", field="choices")
         seen.add(choice)
     return tuple(value)
 
@@ -283,7 +283,7 @@ def _max_new_tokens(value: Any, limits: Limits) -> int | None:
         return None
     if not _int(value) or not 1 <= value <= limits.max_new_tokens:
         raise ValidationError(
-            f"'max_new_tokens' must be an integer from 1 to {limits.max_new_tokens}, got {value!r}",
+            f"'max_new_tokens' must be an integer from 1 to {limits.max_new_tokens}, got {shown(value)}",
             field="max_new_tokens",
         )
     return value
@@ -295,19 +295,19 @@ def _escalate(value: Any) -> bool | float | None:
     if isinstance(value, (int, float)) and 0.0 < float(value) <= 1.0:
         return float(value)
     raise ValidationError(
-        f"'escalate' must be true, false or a confidence threshold in (0, 1], got {value!r}", field="escalate"
+        f"'escalate' must be true, false or a confidence threshold in (0, 1], got {shown(value)}", field="escalate"
     )
 
 
 def _bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
-        raise ValidationError(f"'{name}' must be true or false, got {value!r}", field=name)
+        raise ValidationError(f"'{name}' must be true or false, got {shown(value)}", field=name)
     return value
 
 
 def _temperature(value: Any) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0.0 <= value <= 5.0):
-        raise ValidationError(f"'temperature' must be a number from 0 to 5, got {value!r}", field="temperature")
+        raise ValidationError(f"'temperature' must be a number from 0 to 5, got {shown(value)}", field="temperature")
     if not math.isfinite(value):
         raise ValidationError("'temperature' must be finite", field="temperature")
     return float(value)
@@ -315,13 +315,15 @@ def _temperature(value: Any) -> float:
 
 def _top_p(value: Any) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0.0 < value <= 1.0):
-        raise ValidationError(f"'top_p' must be a number in (0, 1], got {value!r}", field="top_p")
+        raise ValidationError(f"'top_p' must be a number in (0, 1], got {shown(value)}", field="top_p")
     return float(value)
 
 
 def _top_k(value: Any) -> int:
     if not _int(value) or not 0 <= value <= 1_000_000:
-        raise ValidationError(f"'top_k' must be an integer from 0 (no cut) to 1000000, got {value!r}", field="top_k")
+        raise ValidationError(
+            f"'top_k' must be an integer from 0 (no cut) to 1000000, got {shown(value)}", field="top_k"
+        )
     return value
 
 
@@ -329,7 +331,7 @@ def _seed(value: Any) -> int | None:
     if value is None:
         return None
     if not _int(value) or not 0 <= value < 2**63:
-        raise ValidationError(f"'seed' must be a non-negative integer, got {value!r}", field="seed")
+        raise ValidationError(f"'seed' must be a non-negative integer, got {shown(value)}", field="seed")
     return value
 
 
@@ -339,7 +341,7 @@ def _logprobs(obj: dict[str, Any]) -> tuple[bool, int]:
     top = obj.get("top_logprobs")
     if top is not None and (not _int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
         raise ValidationError(
-            f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}", field="top_logprobs"
+            f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {shown(top)}", field="top_logprobs"
         )
     if top is not None and not logprobs:
         raise ValidationError("'top_logprobs' needs \"logprobs\": true", field="top_logprobs")
@@ -378,7 +380,7 @@ def _depth(value: Any) -> int:
             children = node
         else:
             if isinstance(node, float) and not math.isfinite(node):  # orjson would write it as null
-                raise ValidationError(f"'meta' holds {node!r}, which is not JSON", field="meta")
+                raise ValidationError(f"'meta' holds {shown(node)}, which is not JSON", field="meta")
             continue
         deepest = max(deepest, level)
         stack.extend((child, level + 1) for child in children)
@@ -387,7 +389,7 @@ def _depth(value: Any) -> int:
 
 def _lane(value: Any) -> str | None:
     if value is not None and value not in LANES:
-        raise ValidationError(f"unknown lane {value!r}; allowed: {', '.join(LANES)}", field="lane")
+        raise ValidationError(f"unknown lane {shown(value)}; allowed: {', '.join(LANES)}", field="lane")
     return value
 
 

@@ -98,3 +98,33 @@ def test_system_fields_refused_from_users_but_accepted_from_the_queue() -> None:
     with pytest.raises(ValidationError, match="unknown field"):
         Job.from_dict({**BASE, "batch": "b1"})
     assert Job.from_dict({**BASE, "batch": "b1"}, allow_system=True).batch == "b1"
+
+
+HUGE = "9" * 1_000_000
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"temperature": HUGE},
+        {"model": HUGE},
+        {"lane": HUGE},
+        {"seed": [HUGE]},
+        {"v": HUGE},
+        {HUGE: 1},
+        {"choices": ["y" * 500, "y" * 500]},
+    ],
+)
+def test_a_huge_value_is_named_by_its_length_not_echoed_whole(patch: dict) -> None:
+    with pytest.raises(ValidationError) as exc:
+        Job.from_dict({**BASE, **patch})
+    message = str(exc.value)
+    assert len(message) < 400 and "characters)" in message
+
+
+def test_an_openai_line_echoes_a_huge_value_by_its_length() -> None:
+    from producer.openai_format import from_openai
+
+    with pytest.raises(ValidationError) as exc:
+        from_openai({"custom_id": "a", "url": HUGE, "body": {}})
+    assert len(str(exc.value)) < 400 and "characters)" in str(exc.value)
