@@ -11,6 +11,7 @@ from typing import BinaryIO
 
 import orjson
 
+from producer.json_keys import refuse_duplicate_keys
 from producer.openai_format import ENVELOPE, from_openai, is_openai_line
 from shared.errors import SubmissionError, ValidationError
 from shared.job import DEFAULT_LIMITS, Job, Limits
@@ -74,6 +75,7 @@ def parse_line(
         obj = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
         raise ValidationError(f"invalid JSON: {exc}") from exc
+    refuse_duplicate_keys(text, obj)
     if is_openai_line(obj):
         obj = from_openai(obj, model_map=model_map)
     elif isinstance(obj, dict) and {"method", "url"} & set(obj) and set(obj) <= ENVELOPE:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import orjson
 import pytest
 
@@ -51,3 +53,43 @@ def test_openai_batch_lines_are_mapped() -> None:
 def test_no_escalate_applies_to_every_item() -> None:
     jobs = parse_lines(lines({"custom_id": "a", "model": "laya", "prompt": "p"}), escalate=False)
     assert jobs[0].escalate is False
+
+
+@pytest.mark.parametrize(
+    ("line", "key"),
+    [
+        (b'{"custom_id": "a", "model": "laya", "prompt": "x", "model": "kev"}', "model"),
+        (b'{"custom_id": "a", "model": "laya", "prompt": "x", "\\u006dodel": "kev"}', "model"),
+        (b'{"custom_id": "a", "model": "laya", "prompt": "x", "meta": {"a/b": 1, "a\\/b": 2}}', "a/b"),
+        (b'{"custom_id": "a", "model": "laya", "prompt": "x", "meta": {"k": [{"z": 1, "z": 1}]}}', "z"),
+        (
+            b'{"custom_id": "a", "body": {"model": "laya", "messages": [{"role": "user", "content": "x"}],'
+            b' "model": "kev"}}',
+            "model",
+        ),
+        (
+            b'{"custom_id": "a", "body": {"model": "laya", "messages": [{"role": "user", "content": "x",'
+            b' "role": "system"}]}}',
+            "role",
+        ),
+    ],
+)
+def test_a_key_given_twice_in_one_object_is_refused_not_settled_silently(line: bytes, key: str) -> None:
+    with pytest.raises(SubmissionError) as info:
+        parse_lines([line])
+    (error,) = info.value.errors
+    assert str(error) == f"line 1: key {key!r} is given twice in one object"
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"custom_id": "model", "model": "laya", "prompt": "model"},  # a key's name as values: the exact check passes
+        {"custom_id": "a", "model": "laya", "prompt": 'say "model" and \u00e9 \\u0041'},
+        {"custom_id": "a", "model": "laya", "prompt": "x", "meta": {"model": {"model": 1}, "m": [{"k": 1}, {"k": 2}]}},
+    ],
+)
+def test_repeated_names_in_different_objects_or_values_are_accepted(obj: dict) -> None:
+    for raw in (orjson.dumps(obj), json.dumps(obj).encode()):  # literal UTF-8, and \\u escapes
+        (job,) = parse_lines([raw])
+        assert job.custom_id == obj["custom_id"] and job.prompt == obj["prompt"]
