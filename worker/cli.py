@@ -9,9 +9,29 @@ import click
 
 from producer.cli import Seconds
 from shared.conn import connect
-from shared.errors import KevlayaError
+from shared.errors import ConfigError, KevlayaError
 from shared.keys import DEFAULT_PREFIX
 from worker.memory import parse_bytes
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class MemorySize(click.ParamType):
+    """A memory size above 0 (`6GiB`, `512MiB`, `6GB`). A plain string let `--memory-budget ''` through as "none
+    given" (the GPU's total) and `0` as no limit at all (the planner reads a zero budget as none)."""
+
+    name = "size"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            size = parse_bytes(str(value))
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+        if size <= 0:
+            self.fail(f"{value!r}: give a size above 0, e.g. 6GiB", param, ctx)
+        return size
 
 
 def setup_logging(level: str) -> None:
@@ -27,6 +47,7 @@ def setup_logging(level: str) -> None:
 @click.option("--burst", is_flag=True, help="Exit when nothing is queued or recoverable.")
 @click.option(
     "--memory-budget",
+    type=MemorySize(),
     default=None,
     help="Memory for the whole worker process as the driver (nvidia-smi) reports it: CUDA context, kernels, "
     "workspaces, graphs, KV cache, weights, activations, e.g. 6GiB. Batches are planned from what is left of it. "
@@ -37,6 +58,7 @@ def setup_logging(level: str) -> None:
     "--max-wait-ms",
     default=10000,
     show_default=True,
+    type=click.IntRange(min=0),  # a negative wait made every other queue starving: a switch at every take
     help="Switch models once the other queue's oldest job waited this long (sooner when it holds a full take). "
     "Every switch breaks a batch: lower it for latency, raise it for throughput.",
 )
@@ -44,6 +66,7 @@ def setup_logging(level: str) -> None:
     "--bulk-every-takes",
     default=4,
     show_default=True,
+    type=click.IntRange(min=1),  # 0 would make bulk due at every take: interactive work no longer first
     help="Interactive work is taken before bulk; after this many interactive takes in a row while bulk "
     "waits, the next take is bulk's (no starvation).",
 )
@@ -105,17 +128,25 @@ def setup_logging(level: str) -> None:
     "cores the helper's Python would take from the engine).",
 )
 @click.option(
-    "--batch-time-limit-s", default=900.0, show_default=True, help="Rows still generating then fail with `timeout`."
+    "--batch-time-limit-s",
+    default=900.0,
+    show_default=True,
+    type=Seconds(positive=True),  # NaN never ran out; 0 failed every generated row at once
+    help="Rows still generating then fail with `timeout`.",
 )
 @click.option("--name", default=None, help="Worker name (default: host + random suffix).")
 @click.option(
     "--job-heartbeat-ttl-s",
     default=20.0,
     show_default=True,
+    type=Seconds(positive=True),  # the heartbeat interval and worker TTL derive from it (WorkerSettings)
     help="A running job whose heartbeat is older than this is taken back from a dead worker.",
 )
 @click.option(
-    "--metrics-port", type=int, default=None, help="Serve Prometheus /metrics, /healthz and /readyz on this port."
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus /metrics, /healthz and /readyz on this port (0: any free one, logged).",
 )
 @click.option(
     "--notify-allow",
@@ -129,13 +160,13 @@ def setup_logging(level: str) -> None:
     "NAME-gpuID, metrics on port N+i); signals are forwarded, a crashed worker restarted (3 times in 10 min, then "
     "the others are stopped and the exit is non-zero). The workers share a queue's tail among those idle.",
 )
-@click.option("--log-level", default="info", show_default=True)
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="info", show_default=True)
 @click.pass_context
 def worker_command(
     ctx: click.Context,
     config_path: str,
     burst: bool,
-    memory_budget: str | None,
+    memory_budget: int | None,
     max_wait_ms: int,
     bulk_every_takes: int,
     paced_take_ms: int,
@@ -168,11 +199,10 @@ def worker_command(
 
     try:
         config = load_config(config_path)
-        budget = parse_bytes(memory_budget) if memory_budget else None
         engine = Engine(
             config,
             device=device,
-            memory_budget_bytes=budget,
+            memory_budget_bytes=memory_budget,
             max_batch_rows=max_batch_rows,
             decode=decode,
             ops=OpsOptions(compile_ops=not no_compile, pointwise_kernels=pointwise_kernels),

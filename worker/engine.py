@@ -27,7 +27,7 @@ from worker.calibration import calibrated_output
 from worker.config import ModelsConfig
 from worker.eager import generate_eager, sampling_params
 from worker.fastpath import DEFAULT_OPS, Decoded, OpsOptions, StaticDecoder, row_bucket
-from worker.loading import LoadedBase, load_all, stop_ids
+from worker.loading import LoadedBase, load_all, pick_device, stop_ids
 from worker.memory import DTYPE_BYTES, MIB, BatchPlan
 from worker.outputs import RowOutput, as_label, generated_output, text_decoder, token_bytes
 from worker.packing import OomGuard, pack
@@ -116,7 +116,7 @@ class Engine:
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
         self.config = config
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = pick_device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())  # memory APIs need an index
         self.memory = MemoryBudget(self.device, memory_budget_bytes)
@@ -125,7 +125,10 @@ class Engine:
         self._deadline: float | None = None
         self.memory.start()
         # `bases` lets a caller that loaded the models itself (kevlaya memory, measuring each stage) reuse them.
+        started = time.perf_counter()
         self.bases: dict[str, LoadedBase] = bases if bases is not None else load_all(config, self.device)
+        self.load_s = time.perf_counter() - started  # kevlaya_model_load_seconds (0 for bases loaded by the caller)
+        self.warmup_s = 0.0  # kevlaya_warmup_seconds: none on a CPU
         self.encoder = Encoder(config, self.bases)
         for base in self.bases.values():
             text_decoder(base.tokenizer)  # checked against the tokenizer's own decode once, here, not in a take
@@ -144,7 +147,9 @@ class Engine:
         # After the loops: they keep float32 4-bit scales resident.
         self.memory.count_resident(b.model for b in self.bases.values())
         if self.device.type == "cuda":
+            started = time.perf_counter()
             self.warm_up()
+            self.warmup_s = time.perf_counter() - started
             # The warm-up loaded kernels (compiled ones, cuBLAS, flash) into the context.
             self.memory.cap_allocator("warm-up")
         # Everything alive now -- the models, torch's and transformers' modules, compiled kernels -- lives as long as

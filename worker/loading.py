@@ -51,6 +51,24 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
+def pick_device(text: str | None) -> torch.device:
+    """`--device` (None: CUDA if there is one, else the CPU) as a torch device, checked here: torch's own errors for
+    a misspelt name or a GPU this process cannot use are a traceback (or an AssertionError) from deep in its
+    lazy CUDA init, not a line an operator can act on."""
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"--device {text!r}: not a device (use cpu, cuda or cuda:N)") from exc
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0 or (device.index is not None and device.index >= count):
+        raise ConfigError(f"--device {text}: this process sees {count} CUDA device(s)")
+    return device
+
+
 def load_all(config: ModelsConfig, device: torch.device) -> dict[str, LoadedBase]:
     """Load every base the config uses, largest first, then attach each model's adapter by name."""
     used = {m.base for m in config.models.values()}

@@ -17,6 +17,8 @@ import redis.exceptions
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from shared.errors import ConfigError
+
 log = logging.getLogger("kevlaya.worker")
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -120,7 +122,10 @@ class HealthServer:
         registry = CollectorRegistry()
         registry.register(WorkerCollector(worker))
         self.metrics = make_wsgi_app(registry)
-        self.server: WSGIServer = make_server(host, port, self._app, handler_class=_Quiet)
+        try:
+            self.server: WSGIServer = make_server(host, port, self._app, handler_class=_Quiet)
+        except OSError as exc:  # taken, or not ours to bind: the operator's to fix, in one line, not a traceback
+            raise ConfigError(f"--metrics-port {port}: cannot serve on it ({exc.strerror or exc})") from exc
         self.port = self.server.server_port
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="metrics")
 

@@ -61,7 +61,10 @@ class Presence:
                 if self.stop.is_set():
                     raise
                 log.warning("redis unavailable (%s); retrying in %.1f s", exc, delay)
-                time.sleep(delay)
+                # A stop (SIGTERM) ends the wait at once: sleeping out a 10 s backoff, then trying once more
+                # (a connect that can itself take the socket timeout) outlasts `docker stop`'s grace period.
+                if self.stop.wait(delay):
+                    raise
                 delay = min(delay * 2, 10.0)
 
     def arrive(self) -> None:

@@ -8,21 +8,20 @@ from pathlib import Path
 import click
 
 from shared.errors import KevlayaError
-from worker.cli import setup_logging
-from worker.memory import parse_bytes
+from worker.cli import MemorySize, setup_logging
 
 
 @click.command("memory")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
-@click.option("--memory-budget", default="6GiB", show_default=True)
+@click.option("--memory-budget", type=MemorySize(), default="6GiB", show_default=True)
 @click.option("--device", default=None)
-def memory_command(config_path: str, memory_budget: str, device: str | None) -> None:
+def memory_command(config_path: str, memory_budget: int, device: str | None) -> None:
     """Print the seed's memory table (after 4-bit load, after adapters, inference at 512/1024 tokens)
     and the batch plan: measured on a GPU, estimated on CPU (the output says which)."""
     from worker.tools.memory_report import memory_table
 
     try:
-        click.echo(memory_table(config_path, budget_bytes=parse_bytes(memory_budget), device=device))
+        click.echo(memory_table(config_path, budget_bytes=memory_budget, device=device))
     except KevlayaError as exc:
         raise click.ClickException(str(exc)) from exc
 

@@ -14,7 +14,7 @@ import torch
 from shared.job import Job
 from worker.config import ModelsConfig, load_config
 from worker.engine import Engine
-from worker.loading import attach_adapter, load_base
+from worker.loading import attach_adapter, load_base, pick_device
 from worker.memory import DTYPE_BYTES, MIB, ModelShape, plan_batch
 
 
@@ -75,7 +75,7 @@ def estimate(config: ModelsConfig) -> list[MemoryRow]:
 
 def memory_table(config_path: str | Path, *, budget_bytes: int, device: str | None = None) -> str:
     config = load_config(config_path)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = pick_device(device)
     measured = dev.type == "cuda"
     rows = measure_gpu(config, dev) if measured else estimate(config)
     how = f"measured on {torch.cuda.get_device_name(dev)}" if measured else "estimated, CPU: no GPU here"

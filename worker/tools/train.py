@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from shared.errors import ConfigError
 from shared.models import defaults_for
 from worker.config import ModelsConfig
-from worker.loading import torch_dtype
+from worker.loading import pick_device, torch_dtype
 from worker.tools.plots import loss_png
 from worker.tools.train_data import Sample, batches, counts, encode, read_rows, rebalance, stop_token_id
 
@@ -148,7 +148,7 @@ def train_adapter(
     """Train one adapter; returns the report (also written as out/metrics.json)."""
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = pick_device(device)
     report = TrainReport(model=model, device=str(dev))
     start = time.time()
     base_model, tokenizer, report.quantized = load_for_training(config, model, dev)
