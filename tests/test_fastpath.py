@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench.fastpath import TokenRecorder
-from shared.errors import TIMEOUT
+from shared.errors import TIMEOUT, ConfigError
 from shared.job import Job
 from tests.conftest import tiny_config
 from worker.engine import Engine
@@ -299,6 +299,17 @@ def test_engine_plan_rounds_down_to_a_bucket(tiny_models: Path) -> None:
     engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static", memory_budget_bytes=GIB)
     for tokens in (16, 100, 400):
         assert engine.plan("kev", input_tokens=tokens).max_rows in ROW_BUCKETS
+
+
+def test_a_budget_without_room_for_one_row_is_refused_at_start(tiny_models: Path) -> None:
+    """Every take would otherwise run one row past its plan (a take holds at least one): an out-of-memory error
+    on a GPU at every take, not a line at start."""
+    engine = Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static", memory_budget_bytes=GIB)
+    resident = engine.memory.resident_bytes
+    with pytest.raises(ConfigError, match=r"--memory-budget \d+ MiB leaves no room for one (kev|laya) row") as exc:
+        Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static", memory_budget_bytes=resident)
+    least = int(str(exc.value).rsplit("~", 1)[1].split()[0]) * MIB
+    Engine(tiny_config(tiny_models, "none"), device="cpu", decode="static", memory_budget_bytes=least)  # enough
 
 
 def test_the_take_follows_the_prompt_lengths_last_seen(tiny_models: Path) -> None:

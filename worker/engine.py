@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from shared.errors import INTERNAL, TIMEOUT, JobFailure
+from shared.errors import INTERNAL, TIMEOUT, ConfigError, JobFailure
 from shared.job import Job
 from worker.calibration import calibrated_output
 from worker.config import ModelsConfig
@@ -152,6 +152,7 @@ class Engine:
             self.warmup_s = time.perf_counter() - started
             # The warm-up loaded kernels (compiled ones, cuBLAS, flash) into the context.
             self.memory.cap_allocator("warm-up")
+        self._check_budget_holds_a_row()
         # Everything alive now -- the models, torch's and transformers' modules, compiled kernels -- lives as long as
         # the engine: out of the garbage collector's sight, a full collection (which the takes' short-lived jobs and
         # results set off now and then) scans only what came after. On the H200 such a collection took 343 ms in
@@ -159,6 +160,22 @@ class Engine:
         # kept for good; here, at start, not when the worker starts (a collection that large took ~0.35 s).
         gc.collect()
         gc.freeze()
+
+    def _check_budget_holds_a_row(self) -> None:
+        """A budget that leaves no room for one short row of some model is refused at start, in one line: every take
+        would run one row past the plan (`capacity` takes at least one), an out-of-memory error on a GPU."""
+        if self.memory.total_bytes is None:
+            return
+        self.refresh_memory()
+        for model in self.config.models:
+            plan = self.plan(model, input_tokens=1, new_tokens=1, may_release=False)
+            if plan.max_rows < 1:
+                short = max(0, plan.take_bytes(1) - plan.free_bytes)
+                raise ConfigError(
+                    f"--memory-budget {self.memory.total_bytes / MIB:.0f} MiB leaves no room for one {model} row "
+                    f"beside the {self.memory.planned_resident_bytes / MIB:.0f} MiB held (weights, context, "
+                    f"kernels); give at least ~{(self.memory.total_bytes + short) / MIB + 1:.0f} MiB"
+                )
 
     def give_prefill_room(self) -> None:
         """Each static loop's prefill asks the memory budget how large a chunk the take about to run may hold
