@@ -203,3 +203,12 @@ def test_model_load_seconds_metric_is_measured(tiny_models: Path) -> None:
     text = generate_latest(registry).decode()
     values = {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if len(f.samples) == 1}
     assert values["kevlaya_model_load_seconds"] == pytest.approx(engine.load_s)
+
+
+@pytest.mark.parametrize("option", ["--target-escalation", "--target-accuracy"])
+@pytest.mark.parametrize("value", ["nan", "-0.1", "1.5", "x"])
+def test_eval_refuses_a_target_outside_0_to_1_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], option: str, value: str
+) -> None:
+    code, err = run_main(monkeypatch, capsys, "eval", "--config", "models.toml", option, value)
+    assert code == EXIT_USAGE and option in err and "Traceback" not in err  # named, before the config is read

@@ -4,11 +4,27 @@ calibrate (registered as `kevlaya.commands` entry points beside the worker comma
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
 from shared.errors import KevlayaError
 from worker.cli import MemorySize, setup_logging
+
+
+class Share(click.ParamType):
+    """A share from 0 to 1. click's FloatRange lets NaN through (no comparison with it is true)."""
+
+    name = "share"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            share = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not 0 <= share <= 1:  # NaN too
+            self.fail(f"{value!r}: give a number from 0 to 1", param, ctx)
+        return share
 
 
 @click.command("memory")
@@ -126,10 +142,8 @@ def train_command(
 @click.option(
     "--out", default=None, type=click.Path(file_okay=False), help="Plots go here (default: eval/ beside the config)."
 )
-@click.option(
-    "--target-escalation", type=click.FloatRange(0, 1), default=None, help="Pick the threshold for this rate."
-)
-@click.option("--target-accuracy", type=click.FloatRange(0, 1), default=None, help="Pick the threshold for this.")
+@click.option("--target-escalation", type=Share(), default=None, help="Pick the threshold for this rate (0 to 1).")
+@click.option("--target-accuracy", type=Share(), default=None, help="Pick the threshold for this (0 to 1).")
 @click.option("--write-threshold", is_flag=True, help="Write the picked threshold into the config's escalation rule.")
 @click.option("--device", default=None)
 def eval_command(
