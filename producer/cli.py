@@ -18,7 +18,7 @@ import orjson
 from redis import exceptions as redis_exceptions
 
 from producer.client import DEFAULT_COMPLETION_WINDOW_S, Client
-from producer.jsonl import parse_lines, written_whole
+from producer.jsonl import parse_lines, read_lines, written_whole
 from producer.openai_format import CHAT_URL, COMPLETIONS_URL, parse_model_map, to_openai
 from shared.conn import redis_problem
 from shared.errors import (
@@ -137,8 +137,21 @@ def _client(ctx: click.Context) -> Client:
     return Client(redis_url=ctx.obj["redis_url"], prefix=ctx.obj["prefix"])
 
 
+class InputFile(click.File):
+    """A file read as bytes, `-` for stdin. click raises a bare RuntimeError (a traceback) for `-` when the
+    process has no stdin (`kevlaya submit - <&-`): refused in one line instead."""
+
+    def __init__(self) -> None:
+        super().__init__("rb")
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value == "-" and sys.stdin is None:
+            self.fail("stdin is closed: pipe the lines in, or give a FILE", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 @cli.command()
-@click.argument("file", type=click.File("rb"))
+@click.argument("file", type=InputFile())
 @click.option("--model", type=click.Choice(MODEL_NAMES), default=None, help="Model for lines that name none.")
 @click.option("--batch-id", default=None, help="Add to (or resubmit into) this batch; known items are skipped.")
 @click.option("--wait", is_flag=True, help="Show a progress bar until every item is answered.")
@@ -175,7 +188,7 @@ def submit(
     """Validate FILE (JSONL, or - for stdin) completely, then enqueue it. Prints the batch id on stdout."""
     try:
         jobs = parse_lines(
-            file,
+            read_lines(file),
             default_model=model,
             escalate=False if no_escalate else None,
             model_map=parse_model_map(model_map),

@@ -3,22 +3,51 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import orjson
 
 from producer.json_keys import refuse_duplicate_keys
 from producer.openai_format import ENVELOPE, from_openai, is_openai_line
-from shared.errors import SubmissionError, ValidationError
+from shared.errors import SubmissionError, ValidationError, shown
 from shared.job import DEFAULT_LIMITS, Job, Limits
+
+MIB = 1024 * 1024
+# The longest line read whole. No valid job comes near it: under the default limits, a job with every field at its
+# limit and every byte \u-escaped is under 1 MiB. A longer line is skipped in pieces of this size, so a wrong file
+# (a multi-GB export without newlines) costs this much memory, not four times its size, before its one-line answer.
+MAX_LINE_BYTES = 16 * MIB
+
+
+@dataclass(frozen=True)
+class LongLine:
+    """A line over the reader's limit, skipped unread: only its size (without the newline) is known."""
+
+    size: int
+    limit: int
+
+
+def read_lines(fh: BinaryIO, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes | LongLine]:
+    """The lines of a binary file, each at most `max_line_bytes` long (its newline not counted); a longer one
+    comes as a LongLine, read past in pieces of that size and never held whole."""
+    while line := fh.readline(max_line_bytes + 1):
+        if len(line) <= max_line_bytes or line.endswith(b"\n"):
+            yield line
+            continue
+        size, piece = len(line), line
+        while not piece.endswith(b"\n") and (piece := fh.readline(max_line_bytes)):
+            size += len(piece)
+        yield LongLine(size=size - piece.endswith(b"\n"), limit=max_line_bytes)
 
 
 def parse_lines(
-    lines: Iterable[bytes],
+    lines: Iterable[bytes | LongLine],
     *,
     default_model: str | None = None,
     limits: Limits = DEFAULT_LIMITS,
@@ -34,6 +63,10 @@ def parse_lines(
     errors: list[ValidationError] = []
     seen: dict[str, int] = {}
     for number, raw in enumerate(lines, start=1):
+        if isinstance(raw, LongLine):
+            message = f"the line is {raw.size} bytes; a line may have at most {raw.limit} (no job is that long)"
+            errors.append(ValidationError(message, line=number))
+            continue
         if not raw.strip():
             continue
         try:
@@ -71,10 +104,7 @@ def parse_line(
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValidationError(f"invalid UTF-8 at byte {exc.start}") from exc
-    try:
-        obj = orjson.loads(text)
-    except orjson.JSONDecodeError as exc:
-        raise ValidationError(f"invalid JSON: {exc}") from exc
+    obj = _loads(text)
     refuse_duplicate_keys(text, obj)
     if is_openai_line(obj):
         obj = from_openai(obj, model_map=model_map)
@@ -83,6 +113,61 @@ def parse_line(
     if isinstance(obj, dict) and "custom_id" not in obj:
         obj = {**obj, "custom_id": f"line-{number}"}
     return Job.from_dict(obj, limits=limits, default_model=default_model)
+
+
+# 2**64 has 20 digits: a line without a run of 20 digits holds no integer past 64 bits (the cheap test first).
+_TWENTY_DIGITS = re.compile(r"\d{20}")
+
+
+def _loads(text: str) -> Any:
+    """The line's JSON value. orjson reads an integer past 64 bits as a float, silently rounded (an id in `meta`
+    came back as another number; a refusal echoed 99999999999999999999999999 as 1e+26): such a line is refused,
+    naming where the integer is."""
+    try:
+        obj = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ValidationError(f"invalid JSON: {exc}") from exc
+    if _TWENTY_DIGITS.search(text):
+        _refuse_wide_integers(text)
+    return obj
+
+
+@dataclass(frozen=True)
+class _Wide:
+    """An integer literal past 64 bits (as the stdlib parser hands it over), by its number of digits."""
+
+    digits: int
+
+
+def _int_or_wide(literal: str) -> int | _Wide:
+    # A literal of over 21 characters is past 64 bits, and int() of one over 4,300 digits raises: not converted.
+    value = int(literal) if len(literal) <= 21 else None
+    if value is not None and -(2**63) <= value < 2**64:
+        return value
+    return _Wide(len(literal.lstrip("-")))
+
+
+def _refuse_wide_integers(text: str) -> None:
+    """ValidationError naming the first integer past 64 bits in the (valid) JSON `text`, if any: the stdlib
+    parser hands over each integer literal as written."""
+    try:
+        obj = json.loads(text, parse_int=_int_or_wide)
+    except RecursionError:  # nested deeper than any field allows: refused by the job's own checks
+        return
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, _Wide):
+            where = shown(path) if path else "the line"
+            raise ValidationError(
+                f"{where} is an integer of {node.digits} digits, past 64 bits: JSON readers round it "
+                "(write it as a string to keep it exact)",
+                field=path.split(".")[0].split("[")[0] or None,
+            )
+        if isinstance(node, dict):
+            stack.extend(reversed([(f"{path}.{k}" if path else k, v) for k, v in node.items()]))
+        elif isinstance(node, list):
+            stack.extend(reversed([(f"{path}[{i}]", v) for i, v in enumerate(node)]))
 
 
 @contextlib.contextmanager

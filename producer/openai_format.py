@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from shared import models as known_models
 from shared.errors import ValidationError, shown
 from shared.keys import job_id as item_job_id
 
@@ -35,15 +36,24 @@ def is_openai_line(obj: Any) -> bool:
 
 
 def parse_model_map(text: str | None) -> dict[str, str]:
-    """`gpt-4o-mini=laya,gpt-4o=kev` -> {"gpt-4o-mini": "laya", "gpt-4o": "kev"}."""
+    """`gpt-4o-mini=laya,gpt-4o=kev` -> {"gpt-4o-mini": "laya", "gpt-4o": "kev"}. Refused here, once and before any
+    line is read: an entry not NAME=MODEL, a MODEL kevlaya does not have (it was refused on every line using it, and
+    not at all when none did), and a NAME mapped to two models (the last one silently won)."""
     out: dict[str, str] = {}
     for pair in (text or "").split(","):
         if not pair.strip():
             continue
-        name, sep, model = pair.partition("=")
-        if not sep or not name.strip() or not model.strip():
+        name, sep, model = (part.strip() for part in pair.partition("="))
+        if not sep or not name or not model:
             raise ValidationError(f"model map entry {shown(pair)} is not NAME=MODEL", field="model")
-        out[name.strip()] = model.strip()
+        if model not in known_models.MODEL_NAMES:
+            allowed = ", ".join(known_models.MODEL_NAMES)
+            raise ValidationError(
+                f"model map entry {shown(pair)}: unknown model {shown(model)}; allowed: {allowed}", field="model"
+            )
+        if out.setdefault(name, model) != model:
+            twice = f"model map: {shown(name)} is mapped twice, to {out[name]} and {model}"
+            raise ValidationError(twice, field="model")
     return out
 
 
@@ -86,9 +96,7 @@ def from_openai(line: dict[str, Any], *, model_map: Mapping[str, str] | None = N
         elif key in _CHAT_LOGPROBS and url == CHAT_URL:
             if value is not None:
                 job[key] = value
-        elif (key in _NEUTRAL and value in _NEUTRAL[key]) or (
-            key == "response_format" and value in ({"type": "text"}, None)
-        ):
+        elif _neutral(key, value):
             continue
         else:
             raise ValidationError(
@@ -96,6 +104,15 @@ def from_openai(line: dict[str, Any], *, model_map: Mapping[str, str] | None = N
                 field=f"body.{key}",
             )
     return job
+
+
+def _neutral(key: str, value: Any) -> bool:
+    """Whether `value` is the field's neutral value, type included: by `==` alone, `"n": true` and `"stream": 0`
+    passed, and a completions line's `"logprobs": 0` (an integer there: the sampled tokens' log-probabilities,
+    asked for) was dropped as if it were `false`."""
+    if key == "response_format":
+        return value in ({"type": "text"}, None)
+    return any(type(value) is type(neutral) and value == neutral for neutral in _NEUTRAL.get(key, ()))
 
 
 def _from_messages(messages: Any) -> dict[str, Any]:

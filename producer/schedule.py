@@ -33,7 +33,7 @@ from redis import exceptions as redis_exceptions
 from redis.exceptions import WatchError
 
 from producer.client import DEFAULT_COMPLETION_WINDOW_S, Client
-from producer.jsonl import parse_lines, written_whole
+from producer.jsonl import parse_lines, read_lines, written_whole
 from shared.errors import KevlayaError, SubmissionError, ValidationError
 from shared.job import Job
 
@@ -358,7 +358,7 @@ class SlotRunner:
             try:
                 with open(path, "rb") as fh:
                     parsed = parse_lines(
-                        fh, default_model=self.spec.model, escalate=None if self.spec.escalate else False
+                        read_lines(fh), default_model=self.spec.model, escalate=None if self.spec.escalate else False
                     )
             except SubmissionError as exc:
                 raise SubmissionError([ValidationError(f"{path}: {e}") for e in exc.errors]) from None

@@ -155,7 +155,7 @@ class Job:
                 field=unknown[0],
             )
         version = obj.get("v", SCHEMA_VERSION)
-        if version != SCHEMA_VERSION:
+        if not _int(version) or version != SCHEMA_VERSION:  # `true` and `1.0` equal 1 in Python
             raise ValidationError(
                 f"unsupported schema version v={shown(version)} (this kevlaya speaks v={SCHEMA_VERSION})", field="v"
             )
@@ -232,10 +232,13 @@ def _prompt_and_input(obj: dict[str, Any], limits: Limits) -> tuple[str | None, 
     if not isinstance(fields, dict) or not fields:
         raise ValidationError("'input' must be a non-empty object of string fields", field="input")
     for name, value in fields.items():
+        if not isinstance(name, str):  # possible from Python, never from JSON
+            raise ValidationError(f"'input' field names must be strings, got {shown(name)}", field="input")
         if not isinstance(value, str):
             raise ValidationError(f"'input.{name}' must be a string, got {type(value).__name__}", field="input")
-        _utf8(name, "input")
-    _check_size("".join(fields.values()), limits.max_prompt_bytes, "input")
+    # The names count too: they are rendered into the prompt ("name: value" lines) and stored in every payload, and a
+    # 100 KB name, or 20,000 empty fields, passed a limit that counted the values alone.
+    _check_size("".join(name + value for name, value in fields.items()), limits.max_prompt_bytes, "input")
     return None, dict(fields)
 
 
@@ -292,7 +295,8 @@ def _max_new_tokens(value: Any, limits: Limits) -> int | None:
 def _escalate(value: Any) -> bool | float | None:
     if value is None or isinstance(value, bool):
         return value
-    if isinstance(value, (int, float)) and 0.0 < float(value) <= 1.0:
+    # Compared before float(): an integer too large for a float (from Python) raised OverflowError there.
+    if isinstance(value, (int, float)) and 0 < value <= 1:
         return float(value)
     raise ValidationError(
         f"'escalate' must be true, false or a confidence threshold in (0, 1], got {shown(value)}", field="escalate"
