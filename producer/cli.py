@@ -198,6 +198,8 @@ def submit(
             click.echo(str(err), err=True)
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_USAGE)
+    except OSError as exc:  # a read that fails part-way (EIO on a failing disk or network mount): nothing enqueued
+        raise click.ClickException(f"cannot read {file.name}: {exc.strerror or exc}; nothing enqueued") from exc
     client = _client(ctx)
     with _bar(total=len(jobs), desc="enqueue", unit="job", disable=len(jobs) < 5000 or None) as bar:
         handle = client.submit_batch(

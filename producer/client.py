@@ -76,6 +76,13 @@ def check_batch_id(batch_id: str) -> str:
     return batch_id
 
 
+def _no_parent(job: Job) -> None:
+    """A dict cannot name a `parent` (a system field); a Job instance (built by hand, or by `Job.from_json`) could,
+    and its answer was then counted as a follow-up's and recorded as escalated from a job that never ran."""
+    if job.parent is not None:
+        raise ValidationError("'parent' is set by kevlaya for escalation follow-ups, not by a submit", field="parent")
+
+
 @dataclass(frozen=True)
 class BatchHandle:
     """What submit_batch returns: the batch id, how many items were new, and how many were already there."""
@@ -203,6 +210,7 @@ class Client(BatchReads):
                     job = item if valid else Job.from_dict(item.to_dict(), limits=self.limits, allow_system=True)
                 else:
                     job = self.validate(item, default_model=model, position=index)
+                _no_parent(job)
             except ValidationError as exc:
                 errors.append(exc.at_line(index))
                 continue

@@ -3,19 +3,23 @@ before its fix (a traceback, a value silently changed, a limit bypassed, memory 
 
 from __future__ import annotations
 
+import errno
 import io
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import orjson
 import pytest
+from click.testing import CliRunner
 from redis import Redis
 
+from producer import cli as cli_module
 from producer.client import Client
 from producer.jsonl import parse_lines, read_lines
 from producer.openai_format import parse_model_map
 from shared.errors import SubmissionError, ValidationError
-from shared.job import Job, Limits
+from shared.job import Job, Limits, Parent
 
 BASE = {"custom_id": "a", "model": "laya", "prompt": "p"}
 OK_LINE = orjson.dumps(BASE) + b"\n"
@@ -204,4 +208,39 @@ def test_submit_refuses_an_overlong_line_in_one_line(
 def test_a_client_submission_with_a_huge_input_name_writes_nothing(client: Client, redis: Redis) -> None:
     with pytest.raises(SubmissionError):
         client.submit_batch([{"custom_id": "a", "model": "laya", "input": {"k" * 70_000: "v"}}])
+    assert redis.dbsize() == 0
+
+
+def test_a_read_error_part_way_through_the_file_is_one_line(
+    redis_url: str, redis: Redis, tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An OSError while reading (EIO on a failing disk or network mount; `kevlaya submit /proc/self/mem` shows it)
+    # ended in a traceback.
+    path = tmp_path / "in.jsonl"  # type: ignore[operator]
+    path.write_bytes(OK_LINE)
+
+    def failing(fh: io.BufferedReader) -> Iterator[bytes]:
+        yield fh.readline()
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(cli_module, "read_lines", failing)
+    res = CliRunner().invoke(cli_module.cli, ["--redis-url", redis_url, "submit", str(path)])
+    assert res.exit_code == 1 and res.stdout == ""
+    assert res.stderr.strip() == f"Error: cannot read {path}: Input/output error; nothing enqueued"
+    assert redis.dbsize() == 0
+
+
+@pytest.mark.parametrize("made_by", ["hand", "from_json"])
+def test_a_job_instance_naming_a_parent_is_refused_like_a_dict(client: Client, redis: Redis, made_by: str) -> None:
+    # `parent` is a system field: refused in a dict, but a Job instance carrying one went through, and its answer was
+    # counted as a follow-up's (followups_done) and recorded as escalated from a job that never ran.
+    parent = {"job_id": "b1-0123", "model": "laya", "text": "t", "decision": None, "confidence": 0.1}
+    job = (
+        Job(custom_id="a", model="kev", prompt="p", parent=Parent(**parent))
+        if made_by == "hand"
+        else Job.from_json(orjson.dumps({**BASE, "model": "kev", "parent": parent}))
+    )
+    with pytest.raises(SubmissionError) as info:
+        client.submit_batch([job])
+    assert info.value.errors[0].field == "parent"
     assert redis.dbsize() == 0
