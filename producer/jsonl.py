@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
 import os
@@ -67,6 +68,8 @@ def parse_lines(
             message = f"the line is {raw.size} bytes; a line may have at most {raw.limit} (no job is that long)"
             errors.append(ValidationError(message, line=number))
             continue
+        if number == 1 and raw.startswith(codecs.BOM_UTF8):
+            raw = raw[len(codecs.BOM_UTF8) :]  # a byte-order mark, as Windows editors write: not part of the JSON
         if not raw.strip():
             continue
         try:

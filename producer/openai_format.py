@@ -26,7 +26,15 @@ _LIMITS = ("max_completion_tokens", "max_tokens")
 # Chat lines: per-token logprobs (returned as `choices[0].logprobs.content`); validated as job fields.
 _CHAT_LOGPROBS = ("logprobs", "top_logprobs")
 # Fields whose neutral value changes nothing, so accepting it is honest; any other value is refused.
-_NEUTRAL = {"n": (1,), "stream": (False,), "logprobs": (False, None), "stop": (None, [], "")}
+# null is OpenAI's "unset": the default, which these are.
+_NEUTRAL = {
+    "n": (1, None),
+    "stream": (False, None),
+    "logprobs": (False, None),
+    "stop": (None, [], ""),
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+}
 # kevlaya's own job fields may ride along in the body (choices, escalate, truncate).
 _KEVLAYA = ("choices", "escalate", "truncate")
 
@@ -90,7 +98,8 @@ def from_openai(line: dict[str, Any], *, model_map: Mapping[str, str] | None = N
                 raise ValidationError(f"{given}: give one token limit, or the same", field=f"body.{key}")
             job["max_new_tokens"] = value
         elif key in _DIRECT:
-            job[_DIRECT[key]] = value
+            if value is not None:  # unset, as OpenAI reads it: kevlaya's default, as when the field is left out
+                job[_DIRECT[key]] = value
         elif key in _KEVLAYA:
             job[key] = value
         elif key in _CHAT_LOGPROBS and url == CHAT_URL:

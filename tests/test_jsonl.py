@@ -93,3 +93,13 @@ def test_repeated_names_in_different_objects_or_values_are_accepted(obj: dict) -
     for raw in (orjson.dumps(obj), json.dumps(obj).encode()):  # literal UTF-8, and \\u escapes
         (job,) = parse_lines([raw])
         assert job.custom_id == obj["custom_id"] and job.prompt == obj["prompt"]
+
+
+def test_a_byte_order_mark_starting_the_file_is_read_past_and_only_there() -> None:
+    job = {"custom_id": "a", "model": "laya", "prompt": "x"}
+    (parsed,) = parse_lines([b"\xef\xbb\xbf" + orjson.dumps(job) + b"\r\n"])
+    assert parsed.custom_id == "a"
+    with pytest.raises(SubmissionError) as info:
+        parse_lines(lines(job, b"\xef\xbb\xbf" + orjson.dumps({**job, "custom_id": "b"})))
+    (error,) = info.value.errors
+    assert str(error).startswith("line 2: invalid JSON")

@@ -96,6 +96,22 @@ def test_unsupported_fields_are_refused_with_the_line(body: dict, fragment: str)
     assert str(err).startswith("line 2: ") and fragment in str(err)
 
 
+@pytest.mark.parametrize(
+    "key", ["temperature", "top_p", "seed", "metadata", "n", "stream", "presence_penalty", "frequency_penalty"]
+)
+def test_a_null_field_is_unset_as_openai_reads_it(key: str) -> None:
+    base = {"model": "laya", "messages": [{"role": "user", "content": "x"}]}
+    assert one(base | {key: None}) == one(base)
+
+
+@pytest.mark.parametrize(("key", "value"), [("presence_penalty", 0.5), ("frequency_penalty", -1), ("n", 0)])
+def test_a_non_neutral_penalty_or_count_is_still_refused(key: str, value: object) -> None:
+    with pytest.raises(SubmissionError) as info:
+        one({"model": "laya", "messages": [{"role": "user", "content": "x"}], key: value})
+    (err,) = info.value.errors
+    assert f"'body.{key}' = {value!r} is not supported" in str(err)
+
+
 def test_output_lines_parse_with_the_openai_types(client: Client, redis: Redis, redis_url: str, tmp_path: Path) -> None:
     inp = b"".join(
         [
