@@ -12,15 +12,13 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import orjson
-
 from producer.client import BatchHandle, Client
 from producer.reads import known_batch_id
 from shared.conn import check_url, connect_async, redis_url
 from shared.errors import WaitTimeoutError
 from shared.job import Job
 from shared.keys import DEFAULT_PREFIX, INTERACTIVE, Keys
-from shared.store import BatchRecord, batch_record, queue_record_reads
+from shared.store import BatchRecord, batch_record, queue_record_reads, result_row
 
 
 class AsyncClient:
@@ -55,7 +53,7 @@ class AsyncClient:
     async def result(self, batch: str, custom_id: str) -> dict[str, Any] | None:
         """One item's final answer (or error), or None while it is pending."""
         raw = await self.redis.hget(self.keys.batch_results(batch), custom_id)
-        return None if raw is None else orjson.loads(raw)
+        return None if raw is None else result_row(batch, custom_id, raw)
 
     async def wait(self, batch: str, *, poll_s: float = 0.5, timeout_s: float | None = None) -> BatchRecord:
         """Until every item has a final result; WaitTimeoutError if timeout_s passes first."""

@@ -367,8 +367,15 @@ def batches(ctx: click.Context, as_json: bool, limit: int) -> None:
             click.echo(orjson.dumps(data).decode())
             continue
         c = data["counts"]
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created_at))
-        click.echo(f"{record.id}  {data['status']:<11}  {record.counts.done}/{c['total']}  {created}")
+        click.echo(f"{record.id}  {data['status']:<11}  {record.counts.done}/{c['total']}  {_date(record.created_at)}")
+
+
+def _date(ts: float) -> str:
+    """A local date and time, or '-' for a stamp no clock can show (some other writer's, years past 9999)."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    except (OverflowError, OSError, ValueError):
+        return "-"
 
 
 @cli.command("retry-failed")

@@ -9,7 +9,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import orjson
 from redis import Redis
 from redis.exceptions import WatchError
 
@@ -43,10 +42,13 @@ from shared.result import Result
 from shared.store import (
     DEFAULT_BATCH_TTL_S,
     BatchRecord,
+    answers_item,
     batch_state,
     notify_if_done,
     promote_step,
     record_result,
+    stored_result,
+    text_of,
 )
 
 # Jobs per enqueue transaction. About one worker take: a worker starts on the first chunk while the rest are
@@ -315,10 +317,9 @@ class Client(BatchReads):
                     pipe.watch(results)  # a worker writing any result meanwhile: read again, try again
                     failed: dict[str, dict[str, Any]] = {}
                     for cid, raw in pipe.hscan_iter(results):
-                        row = orjson.loads(raw)
-                        error = row.get("error") or {}
-                        if error and error.get("type") not in (CANCELLED, EXPIRED):
-                            failed[row["job_id"]] = {**row, "custom_id": cid.decode()}
+                        row = retryable(batch, cid, raw)
+                        if row is not None:
+                            failed[row["job_id"]] = row
                     jobs = stored_jobs(self.redis, list(failed))
                     if not jobs:
                         return 0
@@ -350,7 +351,9 @@ class Client(BatchReads):
             pipe.hset(self.keys.batch(batch), "cancel_requested", "1")
             pipe.hsetnx(self.keys.batch(batch), "cancelled_at", repr(time.time()))  # a second cancel keeps the first's
             pipe.execute()
-        custom_ids = [c.decode() for c in self.redis.lrange(self.keys.batch_items(batch), 0, -1)]
+        # No submit writes an id that is not UTF-8: one there is no item of this batch, and no job of one.
+        raw_ids = self.redis.lrange(self.keys.batch_items(batch), 0, -1)
+        custom_ids = [c for c in map(text_of, raw_ids) if c is not None]
         by_id = {job_id(batch, c): c for c in custom_ids}
         base_ids = set(by_id)
         by_id.update({followup_id(j, to): c for j, c in list(by_id.items()) for to in known_models.MODEL_NAMES})
@@ -369,3 +372,14 @@ class Client(BatchReads):
                 )
                 cancelled += bool(record_result(self.redis, self.keys, result))
         return cancelled
+
+
+def retryable(batch: str, field: bytes, raw: bytes) -> dict[str, Any] | None:
+    """The stored failure of one item that `retry_failed` runs again, or None: an answer, a cancelled or
+    expired item, or a value no job of this item wrote (left as it is: every byte in Redis is untrusted; a
+    failure naming another batch's job requeued that job, and this item never got an answer again)."""
+    custom_id = text_of(field)
+    row = None if custom_id is None else stored_result(custom_id, raw)
+    if row is None or row.get("error") is None or row["error"]["type"] in (CANCELLED, EXPIRED):
+        return None
+    return row if answers_item(batch, custom_id, row["job_id"]) else None

@@ -6,14 +6,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import orjson
 from redis import Redis
 from redis.exceptions import ResponseError
 
 from shared.enqueue import Queue, lane_depths
 from shared.errors import BatchNotFoundError, WaitTimeoutError
 from shared.keys import BATCH_ID_RE, Keys, QueueRef, job_id
-from shared.store import BatchRecord, iter_export, quarantine_summary, read_batch
+from shared.store import BatchRecord, iter_export, quarantine_summary, read_batch, result_row, text_of
 
 
 def known_batch_id(batch: str) -> str:
@@ -65,16 +64,15 @@ class BatchReads:
         job id `submit` returned."""
         if custom_id is None:
             batch, _, _ = job_id_or_batch.rpartition("-")
-            ids = {
-                job_id(batch, c.decode()): c.decode() for c in self.redis.sscan_iter(self.keys.batch_item_set(batch))
-            }
+            texts = (text_of(c) for c in self.redis.sscan_iter(self.keys.batch_item_set(batch)))
+            ids = {job_id(batch, c): c for c in texts if c is not None}
             if job_id_or_batch not in ids:
                 raise BatchNotFoundError(f"no job {job_id_or_batch!r}")
             custom_id = ids[job_id_or_batch]
         else:
             batch = job_id_or_batch
         raw = self.redis.hget(self.keys.batch_results(batch), custom_id)
-        return None if raw is None else orjson.loads(raw)
+        return None if raw is None else result_row(batch, custom_id, raw)
 
     def iter_results(self, batch: str) -> Iterator[dict[str, Any]]:
         """One dict per item in input order: final answer (with its escalation chain) or error."""

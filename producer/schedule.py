@@ -34,7 +34,7 @@ from redis.exceptions import WatchError
 
 from producer.client import DEFAULT_COMPLETION_WINDOW_S, Client
 from producer.jsonl import parse_lines, read_lines, written_whole
-from shared.errors import KevlayaError, SubmissionError, ValidationError
+from shared.errors import KevlayaError, SubmissionError, ValidationError, shown
 from shared.job import Job
 
 log = logging.getLogger("kevlaya.schedule")
@@ -73,6 +73,8 @@ class Cadence:
     def __post_init__(self) -> None:
         if (self.cron is None) == (self.every_s is None):
             raise ValidationError("give exactly one of --cron and --every")
+        if self.every_s is not None and self.every_s < 1:  # parse_every's bound, for a spec read back from Redis
+            raise ValidationError(f"--every {self.every_s} s: must be at least 1 s")
         if self.cron is not None and not croniter.is_valid(self.cron):
             raise ValidationError(f"--cron {self.cron!r} is not a valid cron expression")
 
@@ -164,8 +166,54 @@ class ScheduleSpec:
         return {**asdict(self), "inputs": list(self.inputs)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ScheduleSpec:
+    def from_dict(cls, data: Any) -> ScheduleSpec:
+        """The spec a scheduler saved; ValidationError for anything else some other writer left there (a field
+        of another type failed only when the spec was used: `--every "60"` in `schedule --list`)."""
+        problem = _shape_problem(data, _SPEC_FIELDS)
+        if problem is None and not all(isinstance(i, str) for i in data.get("inputs", ())):
+            problem = "inputs: not a list of strings"
+        if problem is not None:
+            raise ValidationError(f"schedule spec in Redis: {problem}")
         return cls(**{**data, "inputs": tuple(data["inputs"])})
+
+
+_NONE = type(None)
+# The JSON types of a saved spec's and slot record's fields (bool is an int to isinstance: kept out by hand).
+_SPEC_FIELDS: dict[str, tuple[type, ...]] = {
+    "name": (str,),
+    "cron": (str, _NONE),
+    "every_s": (int, _NONE),
+    "inputs": (list,),
+    "output": (str,),
+    "model": (str, _NONE),
+    "escalate": (bool,),
+    "expires_in_s": (int, float),
+}
+_RUN_FIELDS: dict[str, tuple[type, ...]] = {
+    "slot": (str,),
+    "status": (str,),
+    "batch": (str, _NONE),
+    "owner": (str, _NONE),
+    "files": (list,),
+    "items": (int, _NONE),
+    "output": (str, _NONE),
+    "counts": (dict, _NONE),
+    "error": (str, _NONE),
+    "at": (int, float),
+}
+
+
+def _shape_problem(data: Any, types: dict[str, tuple[type, ...]]) -> str | None:
+    """What keeps `data` (untrusted JSON) from being a record of these field types, or None."""
+    if not isinstance(data, dict):
+        return f"not a JSON object but {type(data).__name__}"
+    for name, value in data.items():
+        allowed = types.get(name)
+        if allowed is None:
+            return f"unknown field {shown(name)}"
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            return f"{name}: {shown(value)} is not {' or '.join(t.__name__ for t in allowed)}"
+    return None
 
 
 @dataclass
@@ -190,9 +238,17 @@ class SlotRun:
     def loads(cls, raw: bytes) -> SlotRun | None:
         try:
             data = orjson.loads(raw)
-            return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
-        except (orjson.JSONDecodeError, TypeError):
+        except orjson.JSONDecodeError:
             return None  # anything in Redis is untrusted: an unreadable record is left out
+        if not isinstance(data, dict):
+            return None
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        if _shape_problem(known, _RUN_FIELDS) is not None:
+            return None
+        try:
+            return cls(**known)
+        except TypeError:  # a required field missing
+            return None
 
 
 class ScheduleState:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -12,8 +13,8 @@ import orjson
 from redis import Redis
 from redis import exceptions as redis_exceptions
 
-from shared.errors import CANCELLED, EXPIRED, BatchNotFoundError
-from shared.keys import Keys
+from shared.errors import BAD_PAYLOAD, CANCELLED, EXPIRED, BatchNotFoundError
+from shared.keys import Keys, job_id
 from shared.lifecycle import batch_status
 from shared.result import Result
 
@@ -365,10 +366,13 @@ def _num(h: dict[str, str], name: str) -> int:
 
 
 def _float(h: dict[str, str], name: str) -> float | None:
+    """A time field, or None: NaN or an infinity some other writer left is no time (NaN compares false
+    everywhere, and neither can be shown as a date)."""
     try:
-        return float(h[name]) if name in h else None
+        value = float(h[name]) if name in h else None
     except ValueError:
         return None
+    return value if value is None or math.isfinite(value) else None
 
 
 @dataclass(frozen=True)
@@ -496,17 +500,70 @@ def iter_export(redis: Redis, keys: Keys, batch: str) -> Iterator[dict[str, Any]
                 r if isinstance(r, list) else [None] * len(ids) for r in pipe.execute(raise_on_error=False)
             )
         for cid, final, step in zip(ids, finals, steps, strict=True):
-            yield _export_row(cid.decode(), final, step)
+            # No submit writes an id that is not UTF-8: one there is some other writer's, shown as read.
+            yield _export_row(batch, cid.decode("utf-8", "replace"), final, step)
         start += _READ_CHUNK
 
 
-def _export_row(custom_id: str, final: bytes | None, step: bytes | None) -> dict[str, Any]:
+def _export_row(batch: str, custom_id: str, final: bytes | None, step: bytes | None) -> dict[str, Any]:
     if final is None:
         row: dict[str, Any] = {"custom_id": custom_id, "pending": True}
     else:
-        row = orjson.loads(final)
-    if step is not None:
-        laya = orjson.loads(step)
-        if laya.get("job_id") != row.get("job_id"):  # not the step itself, promoted on cancel
-            row["chain"] = [laya]
+        row = result_row(batch, custom_id, final)
+    laya = None if step is None else stored_result(custom_id, step)
+    if laya is not None and laya.get("job_id") != row.get("job_id"):  # not the step itself, promoted on cancel
+        row["chain"] = [laya]
     return row
+
+
+def text_of(raw: bytes) -> str | None:
+    """`raw` as text, or None when it is not UTF-8 (no submit writes such an id or field: some other writer's)."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def answers_item(batch: str, custom_id: str, answering: Any) -> bool:
+    """Whether `answering` is a job id that may answer this item: its own, or a follow-up's (keys.followup_id)."""
+    own = job_id(batch, custom_id)
+    return isinstance(answering, str) and (answering == own or answering.startswith(f"{own}-"))
+
+
+def stored_result(custom_id: str, raw: bytes) -> dict[str, Any] | None:
+    """An item's stored result (or step) as a dict, or None when it is no result of this item (not UTF-8 or
+    JSON, another shape, another item's): every byte in Redis is untrusted, and the readers index into these
+    rows."""
+    try:
+        row = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(row, dict) or row.get("custom_id") != custom_id or not isinstance(row.get("job_id"), str):
+        return None
+    error = row.get("error")
+    if error is not None and not (
+        isinstance(error, dict) and isinstance(error.get("type"), str) and isinstance(error.get("message"), str)
+    ):
+        return None
+    if any(not isinstance(row.get(name, {}), dict) for name in ("usage", "model_version", "timing")):
+        return None
+    if any(not isinstance(row.get("usage", {}).get(n, 0), int) for n in ("prompt_tokens", "completion_tokens")):
+        return None
+    return row
+
+
+def result_row(batch: str, custom_id: str, raw: bytes) -> dict[str, Any]:
+    """`stored_result`, or when that is unreadable the item's `bad_payload` error, naming what was found (the
+    worker's HSETNX never writes over it: this is the item's one final answer)."""
+    row = stored_result(custom_id, raw)
+    if row is not None:
+        return row
+    message = f"its stored result is unreadable ({len(raw)} bytes: {raw[:60]!r})"
+    return Result.failure(
+        custom_id=custom_id,
+        model="",
+        job_id=job_id(batch, custom_id),
+        batch=batch,
+        error_type=BAD_PAYLOAD,
+        message=message,
+    ).to_dict()

@@ -4,6 +4,7 @@ box call an arbitrary address)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import urllib.error
@@ -16,6 +17,7 @@ import redis.exceptions
 from redis import Redis
 
 from shared.keys import Keys
+from shared.quarantine import Quarantine, clear_the_way
 from shared.store import read_batch
 
 log = logging.getLogger("kevlaya.worker")
@@ -56,12 +58,20 @@ class Notifier:
         self.worker = worker
         self.sending = keys.outbox_sending(worker)
         self.delivered = 0
+        self.quarantine = Quarantine(redis, keys)
         self.thread = threading.Thread(target=self._run, daemon=True, name="notices")
 
     def start(self) -> Notifier:
+        self._clear_the_way()
         self.redis.sadd(self.keys.notice_senders(), self.worker)  # recovery returns our notice if we die
         self.thread.start()
         return self
+
+    def _clear_the_way(self) -> None:
+        """Our keys of another type (some other writer's) are moved aside: the senders set stopped the worker at
+        start, and an outbox failed every take of a notice, forever, read as Redis being down."""
+        expected = {self.keys.notice_senders(): "set", self.keys.outbox(): "list", self.sending: "list"}
+        clear_the_way(self.redis, self.quarantine, expected)
 
     def _run(self) -> None:
         while not self.stop.is_set():
@@ -75,6 +85,11 @@ class Notifier:
                         log.exception("notices: dropping a notice that could not be delivered: %r", raw[:200])
                     finally:
                         self.redis.lrem(self.sending, 1, raw)
+            except redis.exceptions.ResponseError as exc:
+                log.warning("notices: redis refused a command (%s); checking our keys' types", exc)
+                with contextlib.suppress(redis.exceptions.RedisError):
+                    self._clear_the_way()
+                self.stop.wait(1.0)
             except redis.exceptions.RedisError as exc:
                 log.warning("notices: redis unavailable (%s)", exc)
                 self.stop.wait(1.0)

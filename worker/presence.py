@@ -77,7 +77,7 @@ class Presence:
         # RQ's birth gives the worker key worker_ttl + 60 s; beat once now, so a crash right after start is
         # noticed within worker_ttl, not a minute later.
         self.wait_for_redis(lambda: rq_worker.heartbeat(ttl))
-        self.redis.zadd(self.keys.workers(), {self.bridge.worker_name: time.time()})  # peers count it at once
+        self._seen()  # peers count it at once
         self._beat = threading.Thread(target=self._heartbeat_loop, daemon=True, name="heartbeat")
         self._beat.start()
 
@@ -104,6 +104,16 @@ class Presence:
         except redis.exceptions.RedisError:
             log.warning("could not register death (redis unavailable)")
 
+    def _seen(self) -> None:
+        """Our heartbeat in the workers index. That index of another type (some other writer's) is moved aside:
+        it stopped the worker at start, and later failed every beat, each one read as Redis being down, which
+        held recovery off for good."""
+        try:
+            self.redis.zadd(self.keys.workers(), {self.bridge.worker_name: time.time()})
+        except redis.exceptions.ResponseError:
+            self.bridge.quarantine.move_key(self.keys.workers(), "workers index is not a sorted set")
+            self.redis.zadd(self.keys.workers(), {self.bridge.worker_name: time.time()})
+
     def _heartbeat_loop(self) -> None:
         rq_worker = self.rq_worker
         while not self.stop.wait(self.settings.heartbeat_interval_s):
@@ -111,7 +121,7 @@ class Presence:
                 if not self.redis.exists(rq_worker.key):
                     rq_worker.register_birth()  # the key expired while Redis was away: announce ourselves again
                 rq_worker.heartbeat(self.settings.worker_ttl_s)
-                self.redis.zadd(self.keys.workers(), {self.bridge.worker_name: time.time()})
+                self._seen()
                 for hand in self.in_flight():
                     ttl = self.settings.job_heartbeat_ttl_s
                     self.bridge.heartbeat(hand.ref, hand.ids, ttl_s=ttl, exec_id=hand.exec_id or None)

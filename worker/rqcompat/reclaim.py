@@ -4,6 +4,7 @@ atomic script per dead take), our own lost entries, and ids stuck in RQ's interm
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -158,18 +159,27 @@ class Reclaim:
                 self.quarantine.put(key, "not a job id (bad bytes or characters)", raw)
                 self.redis.lrem(key, 1, raw)
                 continue
-            seen_key = self.keys.first_seen(key, job_id)
-            if self.redis.set(seen_key, time.time(), nx=True, ex=86400):
-                continue
-            try:
-                first = float(self.redis.get(seen_key) or time.time())
-            except ValueError:
-                first = 0.0
-            if time.time() - first > older_than_s:
+            first = self._first_seen(self.keys.first_seen(key, job_id))
+            if first is not None and time.time() - first > older_than_s:
                 names = [key, self.queues[ref].key, _JOB_PREFIX]
                 if self._script_on_queue(ref, self._unstick, names, [job_id]):
                     out.append(job_id)
         return out
+
+    def _first_seen(self, seen_key: str) -> float | None:
+        """When an id was first seen stuck; None when first seen now. A stamp some other writer left unreadable
+        (not a number, not finite, a key of another type) counts as long ago: NaN or infinity never compared
+        older than the limit, and the job stayed stuck for good."""
+        try:
+            if self.redis.set(seen_key, time.time(), nx=True, ex=86400):
+                return None
+            first = float(self.redis.get(seen_key) or time.time())
+        except ValueError:
+            return 0.0
+        except redis.exceptions.ResponseError:
+            self.quarantine.move_key(seen_key, "first-seen stamp is not a string")
+            return 0.0
+        return first if math.isfinite(first) else 0.0
 
     def pending_started(self) -> int:
         total = 0

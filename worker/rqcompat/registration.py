@@ -13,9 +13,12 @@ from redis import Redis
 from rq import Queue
 from rq.suspension import is_suspended
 from rq.worker import SimpleWorker
+from rq.worker_registration import REDIS_WORKER_KEYS as WORKERS_KEY
+from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
 from shared.errors import WorkerNameTakenError
 from shared.keys import QueueRef
+from shared.quarantine import Quarantine, clear_the_way
 from shared.serializer import serializer
 from worker.rqcompat.decode import _int, parse_rq_time
 
@@ -26,6 +29,7 @@ class Registration:
     redis: Redis
     worker_name: str
     queues: dict[QueueRef, Queue]
+    quarantine: Quarantine
 
     def make_rq_worker(self, worker_ttl_s: int) -> SimpleWorker:
         return SimpleWorker(
@@ -47,6 +51,10 @@ class Registration:
             )
         with contextlib.suppress(redis.exceptions.ResponseError):
             self.redis.delete(key)
+        # RQ adds the worker to its worker sets in one pipeline: a set some other writer replaced with another
+        # type failed it, and no worker could start until someone deleted that key by hand.
+        sets = [WORKERS_KEY, *(WORKERS_BY_QUEUE_KEY % name for name in rq_worker.queue_names())]
+        clear_the_way(self.redis, self.quarantine, dict.fromkeys(sets, "set"))
         rq_worker.register_birth()
 
     def _registration_dead(self, key: str, worker_ttl_s: int) -> bool:
