@@ -154,7 +154,10 @@ def stop_ids(base: LoadedBase, stop_strings: Sequence[str]) -> list[int]:
 def _single_token(tok: Any, text: str) -> int | None:
     """The id of `text` as one token of this tokenizer, or None."""
     i = tok.convert_tokens_to_ids(text)
-    return i if isinstance(i, int) and i != tok.unk_token_id else None
+    # A text no token spells maps to the unknown token's id -- unless the text is that very token: a tokenizer
+    # whose unknown token is one of its real ones (transformers 5 reports the tiny models' `<|endoftext|>`, also
+    # their padding and a default stop string) would otherwise drop it from the stops, and refuse it configured.
+    return i if isinstance(i, int) and (i != tok.unk_token_id or text == tok.unk_token) else None
 
 
 def check_stop_strings(base: LoadedBase, stop_strings: Sequence[str], where: Path) -> None:
