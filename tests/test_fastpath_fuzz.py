@@ -42,6 +42,7 @@ from shared.errors import INPUT_TOO_LONG, ConfigError
 from shared.job import Job
 from tests.conftest import tiny_config
 from worker.config import ModelsConfig, load_config
+from worker.fastpath.sampling import uniform
 from worker.loading import load_all, select_adapters, stop_ids
 from worker.outputs import RowOutput
 from worker.templates import prompt_pieces_many
@@ -309,6 +310,44 @@ def check_row(engines: Engines, job: Job, a: Answer) -> None:
     assert a.tokens[-1] in stops or a.completion_tokens == limit, "a row ended before its stop and its limit"
 
 
+# How near a sampled row's draw may lie to the edge between two tokens' shares of its distribution for a last-bits
+# difference in its logits to move it across: float32 logits that differ by ~1e-7 between batches (other padding
+# and chunks sum in another order), times 1/temperature, move the cumulative sums by ~1e-6 at most.
+EDGE = 1e-5
+
+
+@torch.inference_mode()
+def on_a_boundary(engines: Engines, job: Job, a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> bool:
+    """Whether two sampled answers of one job part only where the row's draw (the same number in every batch) lies
+    within float32 rounding of the edge between the two tokens drawn. Not a difference the engine can avoid
+    short of batch-invariant matmuls: a draw inverts a cumulative distribution, a step function of the logits
+    (seen once in 300 seeds: temperature 0.05, the draw 3.7e-7 below the edge). Anything else is a difference."""
+    if a is None or b is None or a == b:
+        return False
+    k = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if k is None:
+        return False
+    base = engines.eager.base_for(job.model)
+    item = engines.eager.encoder.encode(job)
+    with select_adapters(base, [item.adapter]):
+        logits = base.model(input_ids=torch.tensor([item.ids + list(a[:k])])).logits[0, -1].double()
+    # The documented draw (worker/fastpath/sampling.py): over the vocabulary in its own order, or with a top-k or
+    # top-p cut in descending order (stable), the first token whose cumulative probability reaches u x the total.
+    scaled = logits / job.temperature
+    order = torch.arange(scaled.shape[0])
+    if job.top_p < 1.0 or job.top_k > 0:
+        scaled, order = scaled.sort(descending=True, stable=True)
+        probs = scaled.softmax(-1)
+        keep = torch.arange(scaled.shape[0]) < (job.top_k or scaled.shape[0])
+        keep &= (probs.cumsum(-1) - probs) < job.top_p
+        scaled = scaled.masked_fill(~keep, float("-inf"))
+    cdf = scaled.softmax(-1).cumsum(-1)
+    draw = float(uniform(torch.tensor([job.seed]), torch.tensor([k]))) * float(cdf[-1])
+    i, j = sorted(int((order == t).nonzero()) for t in (a[k], b[k]))
+    # Neighbours in the draw's order (any tokens between them of no probability), the draw at the edge of the first.
+    return abs(draw - float(cdf[i])) < EDGE and float(cdf[j - 1] - cdf[i]) < EDGE
+
+
 def takes(rng: random.Random, jobs: list[Job]) -> list[list[Job]]:
     """`jobs` (shuffled) cut into takes of random sizes."""
     order = rng.sample(jobs, len(jobs))
@@ -326,7 +365,8 @@ def by_header(jobs: list[Job]) -> list[list[Job]]:
 
 
 # More seeds for a longer search: KEVLAYA_FUZZ_SEEDS=200 pytest tests/test_fastpath_fuzz.py
-SEEDS = range(int(os.environ.get("KEVLAYA_FUZZ_SEEDS", "16")))
+# Seed 168: on the bare-base layout a sampled row at temperature 0.05 draws 3.7e-7 below an edge (`on_a_boundary`).
+SEEDS = [*range(int(os.environ.get("KEVLAYA_FUZZ_SEEDS", "16"))), 168]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -369,7 +409,10 @@ def test_fast_path_matches_the_reference_whatever_the_batch(engines: Engines, se
             try:
                 for part in filter(None, parts):
                     for job, got in zip(part, answers(engines.static, part), strict=True):
-                        assert_same(got, want[job.custom_id], f"seed {seed}: {job.custom_id} {name}")
+                        what = f"seed {seed}: {job.custom_id} {name}"
+                        if job.temperature > 0 and on_a_boundary(engines, job, got.tokens, want[job.custom_id].tokens):
+                            continue
+                        assert_same(got, want[job.custom_id], what)
             finally:
                 engines.static.max_batch_rows = kept
     finally:
