@@ -83,8 +83,10 @@ def generated_output(
     ids, lps = all_ids[:end], logprobs[:end]
     text = decode(ids, skip_special_tokens=True)
     decision, start, stop = decision_span(ids, decode, decision_prefix)
-    span = lps[start:stop] if stop > start else lps[:1]
-    confidence = float(span.double().sum().exp()) if span.numel() else None
+    # No decision span (an answer cut off at its limit right after the prefix, or only whitespace): no confidence,
+    # as for an empty answer -- not the probability of some other token, which let a decision-less answer pass
+    # as sure. Escalation counts None as the least sure answer, and so does `kevlaya eval`.
+    confidence = float(lps[start:stop].double().sum().exp()) if decision is not None else None
     entries = None
     if reported is not None and token_bytes is not None:
         entries = token_logprobs(reported, ids, top=top_logprobs, token_bytes=token_bytes)

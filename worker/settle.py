@@ -34,7 +34,8 @@ log = logging.getLogger("kevlaya.worker")
 # escalated step is an answer too) in its steps. ARGV[2..]: (custom id, job id) a job. One call a batch a take, not
 # one a job. A job of a model that escalates whose item's final answer is its own follow-up's, with no step of its
 # own recorded, is not done: it was killed after enqueuing the follow-up and before writing its step, and the
-# follow-up answered first; it runs again to record its step (the follow-up exists: none is enqueued again).
+# follow-up answered first; it runs again to record its step (the follow-up exists: none is enqueued again), and
+# answers 2 so that step is recorded as escalated whatever the re-run answers (its item's answer is Kev's already).
 _ANSWERED_LUA = """
 local out = {}
 for i = 2, #ARGV, 2 do
@@ -47,7 +48,7 @@ for i = 2, #ARGV, 2 do
       if raw then
         found = 1
         local ok, row = pcall(cjson.decode, raw)
-        if ok and type(row) == 'table' and row['escalated_from'] == job then found = 0 end
+        if ok and type(row) == 'table' and row['escalated_from'] == job then found = 2 end
       end
     end
   else
@@ -75,6 +76,9 @@ class Row:
     # A job of another configured model, found on this queue (an id pushed where it does not belong): moved to its
     # own queue, never answered from here.
     foreign: bool = field(default=False, kw_only=True)
+    # Its follow-up answered its item before its own step was written (it was killed in between): this run records
+    # that step as escalated, whatever it answers now (a calibration, threshold or unseeded draw may differ).
+    followed: bool = field(default=False, kw_only=True)
 
     @property
     def ref(self) -> QueueRef:
@@ -120,7 +124,8 @@ class Settler:
         decoded = self._own(self._once([self.decode(row) for row in taken]))
         jobs = [row for row in decoded if row.job is not None and row.result is None]
         self._reopen_requeued(jobs)
-        done = self.already_done(jobs)
+        states = self.answer_states(jobs)  # one read a batch: done (1), or to run and record its step (2)
+        done = {jid for jid, state in states.items() if state == 1}
         flags = self._flags({row.job.batch for row in jobs if row.job and row.job.batch})
         settled: list[Row] = []
         runnable: list[Row] = []
@@ -136,7 +141,7 @@ class Settler:
                 message = "the batch's completion window ended before this item ran"
                 settled.append(self._closed(row, job, EXPIRED, message))
             else:
-                runnable.append(row)
+                runnable.append(replace(row, followed=states.get(row.raw.id) == 2))
         self._mark_running(runnable)
         return Triage(settled, runnable, flags)
 
@@ -208,6 +213,11 @@ class Settler:
 
     def already_done(self, rows: Sequence[Row]) -> set[str]:
         """Jobs whose result was written before a crash: a finished job never runs again."""
+        return {jid for jid, state in self.answer_states(rows).items() if state == 1}
+
+    def answer_states(self, rows: Sequence[Row]) -> dict[str, int]:
+        """Per job id: 1 its result was written before a crash (a finished job never runs again), 2 its follow-up
+        answered its item but its own step is missing (it runs to record it), 0 not answered."""
         # Per batch (and whether its model escalates: an escalated step is done too), (job id, custom id) pairs.
         groups: dict[tuple[str, bool], list[tuple[str, str]]] = {}
         for row in rows:
@@ -217,18 +227,18 @@ class Settler:
                 escalates = bool(self.config.models[job.model].escalates_to)
                 groups.setdefault((job.batch, escalates), []).append((row.raw.id, job.custom_id))
         if not groups:
-            return set()
+            return {}
         with self.redis.pipeline(transaction=False) as pipe:
             for (batch, escalates), members in groups.items():
                 keys = [self.keys.batch_results(batch), self.keys.batch_steps(batch)]
                 pairs = [x for jid, cid in members for x in (cid, jid)]
                 self._answered(keys=keys, args=["1" if escalates else "0", *pairs], client=pipe)
             found = pipe.execute(raise_on_error=False)  # a wrong-typed batch key reads as "not done"
-        done: set[str] = set()
+        states: dict[str, int] = {}
         for members, answer in zip(groups.values(), found, strict=True):
             if isinstance(answer, list):
-                done.update(jid for (jid, _), f in zip(members, answer, strict=True) if f)
-        return done
+                states.update((jid, int(f)) for (jid, _), f in zip(members, answer, strict=True))
+        return states
 
     def _flags(self, batches: set[str]) -> dict[str, BatchFlags]:
         return {b: batch_flags(self.redis, self.keys, b) for b in batches}
@@ -346,7 +356,10 @@ class Settler:
             meta=job.meta,
             error=out.error,
         )
-        target = escalates(self.config.models[job.model], job, result, batch_off=flags.escalate_off or flags.cancelled)
+        spec = self.config.models[job.model]
+        target = escalates(spec, job, result, batch_off=flags.escalate_off or flags.cancelled)
+        if target is None and row.followed and result.error is None:
+            target = spec.escalates_to  # its item's answer is its follow-up's already: this run is its step
         if target is None:
             return result
         return replace(result, final=False, escalated_to=follow_up(job, result, target).job_id)
