@@ -183,8 +183,12 @@ def to_openai(row: dict[str, Any], *, url: str = CHAT_URL, batch: str | None = N
         return base | {"response": None, "error": {"code": "pending", "message": "not answered yet"}}, True
     if error:
         return base | {"response": None, "error": {"code": error["type"], "message": error["message"]}}, True
-    usage = row.get("usage") or {}
-    prompt_tokens, completion_tokens = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    # An escalated item cost every step's tokens (Laya's, then Kev's), and this format shows no `chain`: its usage
+    # is their sum, so a batch's token total counts the steps that escalated too.
+    steps = [row, *(step for step in row.get("chain") or () if isinstance(step, dict))]
+    usages = [step.get("usage") or {} for step in steps]
+    prompt_tokens = sum(u.get("prompt_tokens", 0) for u in usages)
+    completion_tokens = sum(u.get("completion_tokens", 0) for u in usages)
     text = row.get("text")
     if text is None and row.get("decision") is not None:
         text = row["decision"]  # a choices job: the chosen label

@@ -53,7 +53,8 @@ class Result:
     calibrated when the models config calibrates the model (`kevlaya calibrate`), the model's own then
     under raw_confidence.
     final: True when this is the item's final answer (False for a Laya answer that escalated).
-    not_escalated: set when an escalated answer became final because its follow-up was cancelled.
+    not_escalated: set when an escalated answer became final because its follow-up was cancelled ("cancelled") or
+    its batch's completion window ended before the follow-up ran ("expired").
     """
 
     custom_id: str
@@ -72,7 +73,7 @@ class Result:
     escalated_to: str | None = None
     escalated_from: str | None = None
     final: bool = True
-    not_escalated: str | None = None  # why an answer that escalated ended final after all ("cancelled")
+    not_escalated: str | None = None  # why an answer that escalated ended final after all ("cancelled", "expired")
     timing: dict[str, float] = field(default_factory=dict)
     model_version: dict[str, str] = field(default_factory=dict)
     meta: Any = None

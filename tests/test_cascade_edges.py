@@ -125,3 +125,28 @@ def test_a_rerun_that_would_not_escalate_still_records_the_step_its_follow_up_an
     counts = client.status(batch).counts
     assert (counts.finished, counts.escalated, counts.followups_done) == (1, 1, 1)
     assert int(redis.get(K.counter("duplicate_final_results")) or 0) == 0
+
+
+# ---- the OpenAI-shaped export of an escalated item -------------------------------------------------------
+def test_openai_usage_of_an_escalated_item_counts_both_steps(redis: Redis, redis_url: str) -> None:
+    """An escalated item cost Laya's tokens and Kev's. Was: `--format openai` reported Kev's usage alone, and the
+    Laya step is nowhere else in that format, so a batch's token total left out every escalated item's first step."""
+    import orjson
+    from click.testing import CliRunner
+
+    from producer.cli import cli
+
+    def line(cid: str, content: str) -> bytes:
+        body = {"model": "laya", "messages": [{"role": "user", "content": content}]}
+        return orjson.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}) + b"\n"
+
+    runner = CliRunner()
+    submitted = runner.invoke(cli, ["--redis-url", redis_url, "submit", "-"], input=line("up", "hard") + line("s", "x"))
+    batch = submitted.stdout.strip()
+    drain(redis, Scripted(lambda job: unsure(job) if job.prompt == "hard" else sure(job)))
+    res = runner.invoke(cli, ["--redis-url", redis_url, "results", batch, "--format", "openai"])
+    assert res.exit_code == 0, res.output
+    up, plain = (orjson.loads(x) for x in res.stdout.splitlines())
+    assert up["response"]["body"]["model"] == "kev"
+    assert up["response"]["body"]["usage"] == {"prompt_tokens": 47, "completion_tokens": 15, "total_tokens": 62}
+    assert plain["response"]["body"]["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
