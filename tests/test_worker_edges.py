@@ -179,3 +179,19 @@ def test_an_unreadable_follow_up_ends_its_escalated_item(client: Client, redis: 
     counts = client.status(batch).counts
     assert (counts.failed, counts.escalated, counts.followups_done) == (1, 1, 1)
     assert client.status(batch).complete
+
+
+def test_a_failing_take_size_hint_for_the_follow_ups_does_not_end_the_worker(client: Client, redis: Redis) -> None:
+    """Sizing the next Kev take by a take's follow-ups is a hint: raising there (after the take is written) ended
+    the loop and charged the next take a crash."""
+    batch = client.submit_batch([{"custom_id": f"i{n}", "model": "laya", "prompt": "unsure"} for n in range(3)]).id
+
+    class HintFails(FakeEngine):
+        def expect(self, job: object) -> None:
+            raise RuntimeError("a sizing hint failed")
+
+    engine = HintFails()
+    burst(redis, engine)
+    rows = assert_each_item_answered_once(client, redis, batch, 3)
+    assert all(r["model"] == "kev" and r.get("error") is None for r in rows)
+    assert client.status(batch).counts.escalated == 3 and dups(redis) == 0
