@@ -30,7 +30,9 @@ from shared.errors import ConfigError
 
 log = logging.getLogger("kevlaya.supervisor")
 
-GPU_RE = re.compile(r"^[A-Za-z0-9-]{1,64}$")  # an index, or a GPU/MIG UUID as CUDA_VISIBLE_DEVICES takes it
+# An index, or a GPU/MIG UUID as CUDA_VISIBLE_DEVICES takes it. Nothing else: CUDA stops reading the list at
+# an entry it cannot parse (`-1`, `a`), so such a child would see no GPU and crash through its restarts.
+GPU_RE = re.compile(r"^(\d{1,4}|(GPU|MIG)-[A-Za-z0-9-]{1,60})\Z")
 
 # The child command: the `kevlaya` CLI with the worker command added, so it runs from an install (the entry
 # point) and from a source tree on PYTHONPATH (the GPU machine) alike. Tests swap it for a cheap fake.
@@ -62,16 +64,21 @@ def parse_gpus(text: str, *, visible: str | None = None, count: Callable[[], int
     bad = [t for t in items if not GPU_RE.match(t)]
     if bad:
         raise ConfigError(f"--gpus {text!r}: expected `all` or a comma list of GPU indices or UUIDs, not {bad[0]!r}")
-    if len(set(items)) != len(items):
-        raise ConfigError(f"--gpus {text!r} names a GPU twice")
-    if shown is None:
-        return items
     out = []
     for t in items:
-        if t.isdigit() and int(t) >= len(shown):
+        if shown is not None and t.isdigit() and int(t) >= len(shown):
             raise ConfigError(f"--gpus {text!r}: GPU {t} is not among CUDA_VISIBLE_DEVICES={visible}")
-        out.append(shown[int(t)] if t.isdigit() else t)
+        out.append(_resolve(t, shown))
+    if len(set(out)) != len(out):  # after resolving: `0,00`, or an index and the UUID it stands for
+        raise ConfigError(f"--gpus {text!r} names a GPU twice")
     return out
+
+
+def _resolve(item: str, shown: list[str] | None) -> str:
+    """An index within the parent's CUDA_VISIBLE_DEVICES (if set) or its canonical form (`00` is GPU 0)."""
+    if not item.isdigit():
+        return item
+    return shown[int(item)] if shown is not None else str(int(item))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,10 +174,14 @@ class Supervisor:
     # ---- the loop -------------------------------------------------------------------------------------------
     def start(self, child: ChildSpec) -> None:
         env = {**os.environ, **child.env}
-        self.procs[child.name] = self.spawn(
+        proc = self.spawn(
             child.argv, env=env, start_new_session=True, preexec_fn=_die_with_parent
         )  # its own session: a Ctrl-C reaches it once, through the parent
-        log.info("worker %s on GPU %s (pid %s)", child.name, child.gpu, self.procs[child.name].pid)
+        self.procs[child.name] = proc
+        log.info("worker %s on GPU %s (pid %s)", child.name, child.gpu, proc.pid)
+        if self.stopping:  # a signal (or a failure) came while it was being spawned: it missed the forward
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM if self.signals <= 1 else signal.SIGKILL)
 
     def run(self) -> int:
         previous = self.install_signals()
@@ -182,7 +193,8 @@ class Supervisor:
 
     def _run(self) -> int:
         for child in self.children:
-            self.start(child)
+            if not self.stopping:  # a signal during the first starts: start no more
+                self.start(child)
         by_name = {c.name: c for c in self.children}
         while self.procs or self.pending:
             for name, proc in list(self.procs.items()):
