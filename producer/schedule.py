@@ -19,6 +19,7 @@ import glob
 import logging
 import math
 import re
+import string
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -77,6 +78,10 @@ class Cadence:
             raise ValidationError(f"--every {self.every_s} s: must be at least 1 s")
         if self.cron is not None and not croniter.is_valid(self.cron):
             raise ValidationError(f"--cron {self.cron!r} is not a valid cron expression")
+        try:  # valid syntax is not enough: `0 0 30 2 *` names no date, `--every 99999999d` none before year 9999
+            self.next_after(datetime.now(timezone.utc))
+        except (ValueError, OverflowError):  # croniter's CroniterBadDateError is a ValueError
+            raise ValidationError(f"{self.describe()} names no slot from now on") from None
 
     def describe(self) -> str:
         return f"cron {self.cron!r} (UTC)" if self.cron is not None else f"every {self.every_s} s"
@@ -101,6 +106,17 @@ class Cadence:
         while s < before:
             yield s
             s = self.next_after(s)
+
+
+OUTPUT_FIELDS = frozenset({"date", "time", "slot", "name", "batch"})
+
+
+def _check_fields(template: str) -> None:
+    """KeyError for a field that is not one of OUTPUT_FIELDS as it stands: `{date.year}` failed at start with
+    an AttributeError traceback, `{name.__class__}` or `{date!r}` put Python's spelling into the path."""
+    for _, field_name, _, conversion in string.Formatter().parse(template):
+        if field_name is not None and (field_name not in OUTPUT_FIELDS or conversion is not None):
+            raise KeyError(field_name + (f"!{conversion}" if conversion else ""))
 
 
 def _utc(ts: float) -> datetime:
@@ -134,6 +150,7 @@ class ScheduleSpec:
         if not self.inputs:
             raise ValidationError("a schedule needs at least one --input", field="input")
         try:
+            _check_fields(self.output)
             self.output_path(datetime.now(timezone.utc), "b")
         except (KeyError, IndexError, ValueError) as exc:
             raise ValidationError(
