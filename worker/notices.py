@@ -5,6 +5,7 @@ box call an arbitrary address)."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import logging
 import threading
 import urllib.error
@@ -135,7 +136,9 @@ def _post(url: str, body: bytes) -> bool:
     try:
         with _OPENER.open(request, timeout=POST_TIMEOUT_S) as resp:
             return 200 <= resp.status < 300
-    except (urllib.error.URLError, TimeoutError, OSError) as exc:
+    except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as exc:
+        # HTTPException is no OSError: a garbled status line or an oversized header (a proxy mid-restart) is a
+        # failed try like any other, not a reason to drop the notice without its retries.
         log.warning("notices: POST to %s failed: %s", url, exc)
         return False
 
