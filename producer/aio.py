@@ -13,16 +13,16 @@ from collections.abc import Iterable
 from typing import Any
 
 from producer.client import BatchHandle, Client
-from producer.reads import known_batch_id
+from producer.reads import answer_of, check_wait, custom_id_of, known_batch_id, known_custom_id, split_job_id
 from shared.conn import check_url, connect_async, redis_url
 from shared.errors import WaitTimeoutError
 from shared.job import Job
 from shared.keys import DEFAULT_PREFIX, INTERACTIVE, Keys
-from shared.store import BatchRecord, batch_record, queue_record_reads, result_row
+from shared.store import BatchRecord, batch_record, queue_record_reads
 
 
 class AsyncClient:
-    """`AsyncClient(url=...)`; the same calls as Client, awaited."""
+    """`AsyncClient(url=...)`: Client's submit, result, status, wait, cancel and retry, awaited; the rest on `.sync`."""
 
     def __init__(self, *, url: str | None = None, prefix: str = DEFAULT_PREFIX, **client_kw: Any) -> None:
         url = check_url(redis_url(url))
@@ -50,13 +50,24 @@ class AsyncClient:
             raw, running, total, submits = await pipe.execute(raise_on_error=False)
         return batch_record(batch, raw, running, total, submits)
 
-    async def result(self, batch: str, custom_id: str) -> dict[str, Any] | None:
-        """One item's final answer (or error), or None while it is pending."""
-        raw = await self.redis.hget(self.keys.batch_results(batch), custom_id)
-        return None if raw is None else result_row(batch, custom_id, raw)
+    async def result(self, job_id_or_batch: str, custom_id: str | None = None) -> dict[str, Any] | None:
+        """One item's final answer (or error), or None while it is pending: by (batch, custom_id), or by the
+        job id `submit` returned, as `Client.result`. BatchNotFoundError when there is no such item."""
+        if custom_id is None:
+            batch = split_job_id(job_id_or_batch)
+            ids = [raw async for raw in self.redis.sscan_iter(self.keys.batch_item_set(batch))]
+            custom_id = custom_id_of(job_id_or_batch, batch, ids)
+        else:
+            batch, custom_id = known_batch_id(job_id_or_batch), known_custom_id(custom_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self.keys.batch_results(batch), custom_id)
+            pipe.sismember(self.keys.batch_item_set(batch), custom_id)
+            raw, in_batch = await pipe.execute(raise_on_error=False)
+        return answer_of(batch, custom_id, None if isinstance(raw, Exception) else raw, in_batch)
 
     async def wait(self, batch: str, *, poll_s: float = 0.5, timeout_s: float | None = None) -> BatchRecord:
         """Until every item has a final result; WaitTimeoutError if timeout_s passes first."""
+        check_wait(poll_s, timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             record = await self.status(batch)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from redis import Redis
 from redis.exceptions import ResponseError
 
 from shared.enqueue import Queue, lane_depths
-from shared.errors import BatchNotFoundError, WaitTimeoutError
+from shared.errors import BatchNotFoundError, ValidationError, WaitTimeoutError
 from shared.keys import BATCH_ID_RE, Keys, QueueRef, job_id
 from shared.store import BatchRecord, iter_export, quarantine_summary, read_batch, result_row, text_of
 
@@ -21,6 +22,56 @@ def known_batch_id(batch: str) -> str:
     if not isinstance(batch, str) or not BATCH_ID_RE.match(batch):
         raise BatchNotFoundError(f"no batch {batch!r} (not a batch id: 1-128 letters, digits, '_' and '-')")
     return batch
+
+
+def check_wait(poll_s: float, timeout_s: float | None) -> None:
+    """ValidationError unless poll_s is a positive number of seconds and timeout_s None or not negative: no
+    comparison with NaN is true, so `timeout_s=nan` waited forever; a poll of 0 spun, a negative or NaN one
+    failed inside the Redis client."""
+    if not _seconds(poll_s) or not 0 < poll_s < math.inf:
+        raise ValidationError(f"poll_s {poll_s!r}: give a positive number of seconds", field="poll_s")
+    if timeout_s is not None and (not _seconds(timeout_s) or not timeout_s >= 0):
+        raise ValidationError(f"timeout_s {timeout_s!r}: give a non-negative number of seconds", field="timeout_s")
+
+
+def _seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def split_job_id(job: str) -> str:
+    """The batch a job id `submit` returned names (`<batch>-<digest>`); BatchNotFoundError for no such id."""
+    batch, _, _ = job.rpartition("-") if isinstance(job, str) else ("", "", "")
+    if not BATCH_ID_RE.match(batch):
+        raise BatchNotFoundError(f"no job {job!r}")
+    return batch
+
+
+def custom_id_of(job: str, batch: str, raw_ids: Iterable[bytes]) -> str:
+    """The custom_id among the batch's items whose job id is `job`; BatchNotFoundError when none is (the id was
+    never submitted, or its batch expired)."""
+    for raw in raw_ids:
+        custom_id = text_of(raw)
+        if custom_id is not None and job_id(batch, custom_id) == job:
+            return custom_id
+    raise BatchNotFoundError(f"no job {job!r} (never submitted, or its batch expired)")
+
+
+def known_custom_id(custom_id: str) -> str:
+    """`custom_id` if a submit could have stored it (text that is UTF-8); else BatchNotFoundError."""
+    if not isinstance(custom_id, str) or text_of(custom_id.encode("utf-8", "surrogatepass")) is None:
+        raise BatchNotFoundError(f"no item {custom_id!r}")
+    return custom_id
+
+
+def answer_of(batch: str, custom_id: str, raw: bytes | None, in_batch: Any) -> dict[str, Any] | None:
+    """What `result` returns from the item's stored result and whether the batch holds the item: None while
+    it is pending, BatchNotFoundError when there is no such item (else a caller polling an expired batch's
+    result, or a mistyped custom_id, would wait forever on a None)."""
+    if raw is not None:
+        return result_row(batch, custom_id, raw)
+    if in_batch is not True and in_batch != 1:  # 0, or an error reading a key some writer gave another type
+        raise BatchNotFoundError(f"no item {custom_id!r} in batch {batch!r} (never submitted, or expired)")
+    return None
 
 
 class BatchReads:
@@ -38,6 +89,7 @@ class BatchReads:
     ) -> BatchRecord:
         """Poll until every item has a final result; returns the complete record. Raises WaitTimeoutError
         if timeout_s passes first (the batch goes on; wait again or export what is done)."""
+        check_wait(poll_s, timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         # The worker that writes a batch's last result announces it on the events channel: the wait wakes
         # on that message, and polls at `poll_s` only to show progress (and in case a message was missed).
@@ -61,18 +113,17 @@ class BatchReads:
 
     def result(self, job_id_or_batch: str, custom_id: str | None = None) -> dict[str, Any] | None:
         """One item's final answer (or error), or None while it is pending: by (batch, custom_id), or by the
-        job id `submit` returned."""
+        job id `submit` returned. BatchNotFoundError when there is no such item (or its batch expired)."""
         if custom_id is None:
-            batch, _, _ = job_id_or_batch.rpartition("-")
-            texts = (text_of(c) for c in self.redis.sscan_iter(self.keys.batch_item_set(batch)))
-            ids = {job_id(batch, c): c for c in texts if c is not None}
-            if job_id_or_batch not in ids:
-                raise BatchNotFoundError(f"no job {job_id_or_batch!r}")
-            custom_id = ids[job_id_or_batch]
+            batch = split_job_id(job_id_or_batch)
+            custom_id = custom_id_of(job_id_or_batch, batch, self.redis.sscan_iter(self.keys.batch_item_set(batch)))
         else:
-            batch = job_id_or_batch
-        raw = self.redis.hget(self.keys.batch_results(batch), custom_id)
-        return None if raw is None else result_row(batch, custom_id, raw)
+            batch, custom_id = known_batch_id(job_id_or_batch), known_custom_id(custom_id)
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self.keys.batch_results(batch), custom_id)
+            pipe.sismember(self.keys.batch_item_set(batch), custom_id)
+            raw, in_batch = pipe.execute(raise_on_error=False)
+        return answer_of(batch, custom_id, None if isinstance(raw, Exception) else raw, in_batch)
 
     def iter_results(self, batch: str) -> Iterator[dict[str, Any]]:
         """One dict per item in input order: final answer (with its escalation chain) or error."""
