@@ -76,7 +76,8 @@ class AsyncClient:
             if deadline is not None and time.monotonic() >= deadline:
                 c = record.counts
                 raise WaitTimeoutError.for_batch(batch, c.done, c.total, timeout_s)
-            await asyncio.sleep(poll_s)
+            # Never past the deadline (as the sync wait): a long poll stretched a short timeout to poll_s.
+            await asyncio.sleep(poll_s if deadline is None else min(poll_s, max(deadline - time.monotonic(), 0.0)))
 
     async def aclose(self) -> None:
         await self.redis.aclose()

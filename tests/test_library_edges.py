@@ -11,7 +11,7 @@ from redis import Redis
 
 from producer.aio import AsyncClient
 from producer.client import Client
-from shared.errors import BatchNotFoundError, ValidationError
+from shared.errors import BatchNotFoundError, ValidationError, WaitTimeoutError
 from tests.fakes import FakeEngine
 from tests.worker_helpers import drain
 
@@ -93,3 +93,10 @@ def test_result_of_an_impossible_id_is_not_found_in_both_clients(redis: Redis, r
     """These raised AttributeError / UnicodeEncodeError from inside the Redis client."""
     for outcome in _sync_and_async(redis_url, "result", *args):
         assert isinstance(outcome, BatchNotFoundError), outcome
+
+
+def test_a_wait_ends_at_its_timeout_not_at_its_next_poll_in_both_clients(client: Client, redis_url: str) -> None:
+    """AsyncClient.wait slept a whole poll_s past its deadline: timeout_s=0.2 with poll_s=30 took 30 s."""
+    batch, _ = client.submit({"model": "laya", "prompt": "p"})
+    for outcome in _sync_and_async(redis_url, "wait", batch, timeout_s=0.2, poll_s=30):
+        assert isinstance(outcome, WaitTimeoutError), outcome
