@@ -123,16 +123,23 @@ def test_a_device_torch_cannot_parse_is_a_config_error(device: str) -> None:
         pick_device(device)
 
 
-def test_a_cuda_device_without_cuda_is_a_config_error() -> None:
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_a_cuda_device_this_process_cannot_see_is_a_config_error(monkeypatch: pytest.MonkeyPatch, gpus: int) -> None:
     import torch
 
     from worker.loading import pick_device
 
-    if torch.cuda.is_available():
-        pytest.skip("CUDA is available here")
-    with pytest.raises(ConfigError, match="--device cuda:1"):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(ConfigError, match=f"--device cuda:1: this process sees {gpus} CUDA device"):
         pick_device("cuda:1")
-    assert pick_device(None).type == "cpu" and pick_device("cpu").type == "cpu"
+    assert pick_device("cpu").type == "cpu"
+    assert pick_device(None).type == ("cuda" if gpus else "cpu")
+    if gpus:
+        assert pick_device("cuda:0") == torch.device("cuda", 0)  # seen: taken as given
+    else:
+        with pytest.raises(ConfigError, match="--device cuda: this process sees 0"):
+            pick_device("cuda")
 
 
 def test_worker_with_a_bad_device_says_so_in_one_line(
