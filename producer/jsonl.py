@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from producer.json_keys import refuse_duplicate_keys
+from producer.json_keys import keys_may_repeat, unique_pairs
 from producer.openai_format import ENVELOPE, from_openai, is_openai_line
 from shared.errors import SubmissionError, ValidationError, shown
 from shared.job import DEFAULT_LIMITS, Job, Limits
@@ -108,7 +108,6 @@ def parse_line(
     except UnicodeDecodeError as exc:
         raise ValidationError(f"invalid UTF-8 at byte {exc.start}") from exc
     obj = _loads(text)
-    refuse_duplicate_keys(text, obj)
     if is_openai_line(obj):
         obj = from_openai(obj, model_map=model_map)
     elif isinstance(obj, dict) and {"method", "url"} & set(obj) and set(obj) <= ENVELOPE:
@@ -123,16 +122,32 @@ _TWENTY_DIGITS = re.compile(r"\d{20}")
 
 
 def _loads(text: str) -> Any:
-    """The line's JSON value. orjson reads an integer past 64 bits as a float, silently rounded (an id in `meta`
-    came back as another number; a refusal echoed 99999999999999999999999999 as 1e+26): such a line is refused,
-    naming where the integer is."""
+    """The line's JSON value, by orjson, which settles two things silently: an integer past 64 bits it reads as a
+    float, rounded (an id in `meta` came back as another number; a refusal echoed 99999999999999999999999999 as
+    1e+26), and of a key given twice in one object it keeps the last (a second `"model"` ran the job on the other
+    model). A line that may hold either (cheap tests first) is read again by Python's parser, which hands over
+    every integer literal and every object's pairs as written, and refused naming what it holds."""
     try:
         obj = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
         raise ValidationError(f"invalid JSON: {exc}") from exc
-    if _TWENTY_DIGITS.search(text):
-        _refuse_wide_integers(text)
+    wide, repeat = _TWENTY_DIGITS.search(text) is not None, keys_may_repeat(text, obj)
+    if wide or repeat:
+        _exact_checks(text, wide=wide, repeat=repeat)
     return obj
+
+
+def _exact_checks(text: str, *, wide: bool, repeat: bool) -> None:
+    """One parse of the (valid) JSON `text` by Python's parser: a key given twice refused as it is met
+    (`repeat`), then an integer past 64 bits (`wide`)."""
+    try:
+        exact = json.loads(text, parse_int=_int_or_wide, object_pairs_hook=unique_pairs if repeat else None)
+    except (RecursionError, ValueError) as exc:  # deeper, or longer numbers, than Python's parser takes
+        if repeat:
+            raise ValidationError(f"the line cannot be checked for a key given twice ({exc})") from None
+        return  # nested deeper than any field allows: refused by the job's own checks
+    if wide:
+        _refuse_wide_integers(exact)
 
 
 @dataclass(frozen=True)
@@ -150,13 +165,8 @@ def _int_or_wide(literal: str) -> int | _Wide:
     return _Wide(len(literal.lstrip("-")))
 
 
-def _refuse_wide_integers(text: str) -> None:
-    """ValidationError naming the first integer past 64 bits in the (valid) JSON `text`, if any: the stdlib
-    parser hands over each integer literal as written."""
-    try:
-        obj = json.loads(text, parse_int=_int_or_wide)
-    except RecursionError:  # nested deeper than any field allows: refused by the job's own checks
-        return
+def _refuse_wide_integers(obj: Any) -> None:
+    """ValidationError naming the first integer past 64 bits (a `_Wide`) in `obj`, as Python's parser read it."""
     stack: list[tuple[str, Any]] = [("", obj)]
     while stack:
         path, node = stack.pop()
