@@ -21,7 +21,9 @@ generated tokens/s (from the results' usage), the out-of-memory errors and graph
 meanwhile, the peak GPU memory NVML reported meanwhile (this bench never opens a CUDA context itself: the
 models are built in a subprocess; without per-process NVML figures the device's used memory is reported,
 labelled so), and, with `--nightly-tokens-per-s`, the ratio to nightly-2000's (prompt + generated) tokens/s.
-One row per workload in bench/RESULTS.md, its first cell `mixed/<workload>`.
+One row per workload in bench/RESULTS.md, its first cell `mixed/<workload>`; with `--repeat N` the workloads run N
+times in turn on the same worker, the later runs' rows `mixed/<workload>#2` and on (a figure asked for "on every
+run" is seen across runs, not once).
 """
 
 from __future__ import annotations
@@ -264,6 +266,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--shape", default=None, help="model shape (default: qwen2.5-1.5b on cuda, tiny on cpu)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload's size")
     parser.add_argument("--only", default="", help="comma-separated workloads (default: all)")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run the workloads this many times in turn on one worker (rows name#N)"
+    )
     parser.add_argument("--nightly-tokens-per-s", type=float, default=None, help="for the ratio column")
     parser.add_argument(
         "--pointwise-kernels", action="store_true", help="the worker runs with --pointwise-kernels (named in each row)"
@@ -299,11 +304,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             try:
                 _wait_started(log_path, worker)
                 peak = NvmlPeak(worker.pid)
-                for name, jobs in chosen.items():
-                    report["workloads"][name] = run_workload(
-                        name, jobs, redis_url=server.url, out_dir=out_dir, log_path=log_path, peak=peak
-                    )
-                    save_json(out_dir, "mixed.json", report)
+                for turn in range(max(1, args.repeat)):
+                    for name, jobs in chosen.items():
+                        key = name if turn == 0 else f"{name}#{turn + 1}"
+                        report["workloads"][key] = run_workload(
+                            name, jobs, redis_url=server.url, out_dir=out_dir, log_path=log_path, peak=peak
+                        )
+                        save_json(out_dir, "mixed.json", report)
             finally:
                 worker.terminate()
                 worker.wait(timeout=120)
