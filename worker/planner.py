@@ -104,7 +104,10 @@ def held_bytes(device: torch.device) -> int:
     """What the allocator holds that no new allocation can use: every segment still in use after the cached
     free ones are handed back -- weights, the KV pool, and the captured graphs' shared pool (the decode graphs
     capture into one pool, since only one replays at a time: it holds about the largest step's activations,
-    not one set per graph, and `MAX_GRAPHS` bounds the graphs' own buffers)."""
+    not one set per graph, and `MAX_GRAPHS` bounds the graphs' own buffers). Handing the cache back is
+    load-bearing, not tidiness: with the free segments kept cached, long-lived tensors made later (a take's
+    KV pool, graph states) were placed inside large cached segments and pinned them whole (nightly-2000's Kev
+    takes were planned at 120 rows instead of 186, bench/RESULTS.md, nineteenth session)."""
     torch.cuda.empty_cache()
     return int(torch.cuda.memory_reserved(device))
 
