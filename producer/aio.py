@@ -48,7 +48,7 @@ class AsyncClient:
         async with self.redis.pipeline(transaction=False) as pipe:
             queue_record_reads(pipe, self.keys, known_batch_id(batch))
             raw, running, total, submits = await pipe.execute(raise_on_error=False)
-        return batch_record(batch, raw, running, total, submits)
+        return batch_record(self.keys, batch, raw, running, total, submits)
 
     async def result(self, job_id_or_batch: str, custom_id: str | None = None) -> dict[str, Any] | None:
         """One item's final answer (or error), or None while it is pending: by (batch, custom_id), or by the

@@ -34,6 +34,7 @@ from shared.errors import (
 )
 from shared.keys import BULK, DEFAULT_PREFIX, LANES
 from shared.models import MODEL_NAMES
+from shared.wrongtype import is_wrong_type
 
 # Commands of other parts of the distribution (the worker's: worker, memory, train, eval, demo...) are
 # registered as `kevlaya.commands` entry points and imported only when called: the producer names no worker
@@ -483,7 +484,7 @@ def main() -> None:
         code = EXIT_REDIS if isinstance(exc, RedisUnavailableError) else EXIT_USAGE
     except redis_exceptions.RedisError as exc:
         click.echo(f"error: {redis_problem(exc, _CONTEXT.get('redis_url'))}", err=True)
-        code = EXIT_REDIS
+        code = EXIT_USAGE if is_wrong_type(exc) else EXIT_REDIS  # Redis answered: the data is wrong, not Redis
     except ValueError as exc:
         if "Redis URL" not in str(exc) and "redis" not in str(exc).lower():
             raise

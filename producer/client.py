@@ -50,6 +50,7 @@ from shared.store import (
     stored_result,
     text_of,
 )
+from shared.wrongtype import expecting
 
 # Jobs per enqueue transaction. About one worker take: a worker starts on the first chunk while the rest are
 # still being written (600 jobs in one transaction were visible only ~0.2 s after the submit began).
@@ -311,8 +312,10 @@ class Client(BatchReads):
         if record.window_ends_at is not None and time.time() > record.window_ends_at:
             raise BatchClosedError(f"batch {batch!r} is past its completion window; a retried item would expire")
         results, key = self.keys.batch_results(batch), self.keys.batch(batch)
+        # The keys this transaction reads and writes but a job's own (a pipeline's error names that one).
+        kinds = {results: "hash", key: "hash", **{q.key: "list" for q in self.queues.values()}}
         for _ in range(self.RETRY_TRIES):
-            with self.redis.pipeline() as pipe:
+            with self.redis.pipeline() as pipe, expecting(self.redis, kinds):
                 try:
                     pipe.watch(results)  # a worker writing any result meanwhile: read again, try again
                     failed: dict[str, dict[str, Any]] = {}
@@ -352,14 +355,17 @@ class Client(BatchReads):
             pipe.hsetnx(self.keys.batch(batch), "cancelled_at", repr(time.time()))  # a second cancel keeps the first's
             pipe.execute()
         # No submit writes an id that is not UTF-8: one there is no item of this batch, and no job of one.
-        raw_ids = self.redis.lrange(self.keys.batch_items(batch), 0, -1)
+        with expecting(self.redis, {self.keys.batch_items(batch): "list"}):
+            raw_ids = self.redis.lrange(self.keys.batch_items(batch), 0, -1)
         custom_ids = [c for c in map(text_of, raw_ids) if c is not None]
         by_id = {job_id(batch, c): c for c in custom_ids}
         base_ids = set(by_id)
         by_id.update({followup_id(j, to): c for j, c in list(by_id.items()) for to in known_models.MODEL_NAMES})
         cancelled = 0
         for ref, queue in self.queues.items():
-            for jid in cancel_queued(self.redis, queue, list(by_id), ttl_s=self.batch_ttl_s):
+            with expecting(self.redis, {queue.key: "list"}):
+                removed = cancel_queued(self.redis, queue, list(by_id), ttl_s=self.batch_ttl_s)
+            for jid in removed:
                 if jid not in base_ids and promote_step(self.redis, self.keys, batch, by_id[jid]):
                     continue  # a follow-up: the item keeps its computed Laya answer
                 result = Result.failure(

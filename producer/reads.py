@@ -11,9 +11,10 @@ from redis import Redis
 from redis.exceptions import ResponseError
 
 from shared.enqueue import Queue, lane_depths
-from shared.errors import BatchNotFoundError, ValidationError, WaitTimeoutError
+from shared.errors import BatchNotFoundError, ValidationError, WaitTimeoutError, WrongTypeError
 from shared.keys import BATCH_ID_RE, Keys, QueueRef, job_id
 from shared.store import BatchRecord, iter_export, quarantine_summary, read_batch, result_row, text_of
+from shared.wrongtype import expecting
 
 
 def known_batch_id(batch: str) -> str:
@@ -144,10 +145,12 @@ class BatchReads:
         out: list[BatchRecord] = []
         if limit <= 0:
             return out
-        for raw in self.redis.zrevrange(self.keys.batches(), 0, max(limit * 2, limit) - 1):
+        with expecting(self.redis, {self.keys.batches(): "zset"}):
+            listed = self.redis.zrevrange(self.keys.batches(), 0, max(limit * 2, limit) - 1)
+        for raw in listed:
             try:
                 out.append(self.status(raw.decode("utf-8", "replace")))
-            except BatchNotFoundError:
+            except (BatchNotFoundError, WrongTypeError):  # one unreadable batch hides no other: `status` names it
                 continue
             if len(out) >= limit:
                 break
@@ -156,7 +159,8 @@ class BatchReads:
     def overview(self) -> dict[str, Any]:
         """Per model and lane: jobs queued and the head's wait in seconds; the workers seen in the last minute."""
         now = time.time()
-        workers = self.redis.zrangebyscore(self.keys.workers(), now - 60, "+inf", withscores=True)
+        with expecting(self.redis, {self.keys.workers(): "zset"}):
+            workers = self.redis.zrangebyscore(self.keys.workers(), now - 60, "+inf", withscores=True)
         queues: dict[str, dict[str, dict[str, Any]]] = {}
         for ref, d in lane_depths(self.redis, self.queues).items():
             queues.setdefault(ref.model, {})[ref.lane] = {"queued": d.queued, "oldest_wait_s": d.oldest_wait_s}

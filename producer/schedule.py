@@ -37,6 +37,7 @@ from producer.client import DEFAULT_COMPLETION_WINDOW_S, Client
 from producer.jsonl import parse_lines, read_lines, written_whole
 from shared.errors import KevlayaError, SubmissionError, ValidationError, shown
 from shared.job import Job
+from shared.wrongtype import expecting
 
 log = logging.getLogger("kevlaya.schedule")
 
@@ -513,10 +514,13 @@ def overview(client: Client, now: datetime | None = None) -> list[dict[str, Any]
     """Every schedule known to this Redis: spec, last and next slot, missed count and recent runs."""
     now = now or datetime.now(timezone.utc)
     out = []
-    for raw in sorted(client.redis.smembers(client.keys.schedules())):
+    with expecting(client.redis, {client.keys.schedules(): "set"}):
+        names = sorted(client.redis.smembers(client.keys.schedules()))
+    for raw in names:
         name = raw.decode("utf-8", "replace")
         state = ScheduleState(client, name)
-        spec, last, runs = state.spec(), state.last_slot(), state.runs()
+        with expecting(client.redis, {client.keys.schedule(name): "hash", client.keys.schedule_runs(name): "hash"}):
+            spec, last, runs = state.spec(), state.last_slot(), state.runs()
         out.append(
             {
                 "name": name,

@@ -21,6 +21,7 @@ from redis import exceptions as redis_exceptions
 from redis.asyncio import Redis as AsyncRedis
 
 from shared.errors import ConfigError
+from shared.wrongtype import is_wrong_type, key_named
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 SENTINEL_SCHEME = "redis+sentinel"
@@ -159,4 +160,11 @@ def redis_problem(exc: redis_exceptions.RedisError, url: str | None = None) -> s
         return f"Redis at {where} refused a command for this user ({exc}); check its ACL (README, Security)"
     if isinstance(exc, (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError)):
         return f"cannot reach Redis at {where} ({exc}); is it running? set --redis-url or REDIS_URL"
+    if is_wrong_type(exc):
+        key = key_named(exc)
+        which = f"key {key!r}" if key else "a key kevlaya reads"
+        return (
+            f"Redis at {where}: {which} holds another type of value than kevlaya keeps there ({exc}); some other "
+            "program wrote it: move it aside (redis-cli RENAME) or delete it, then run the command again"
+        )
     return f"Redis at {where} answered with an error: {exc}"

@@ -125,6 +125,20 @@ class RedisUnavailableError(KevlayaError):
     """Redis cannot be reached, or refused our credentials or permissions."""
 
 
+class WrongTypeError(KevlayaError):
+    """A Redis key kevlaya reads holds another type of value than kevlaya keeps there (some other writer's)."""
+
+    def __init__(self, key: str, expected: str, found: str | None = None) -> None:
+        self.key = key
+        self.expected = expected
+        self.found = found
+        held = f"a {found}" if found else "another type of value"
+        super().__init__(
+            f"Redis key {key!r} holds {held}, not the {expected} kevlaya keeps there (some other program wrote it): "
+            f"move it aside (redis-cli RENAME '{key}' '{key}.bad') or delete it, then run the command again"
+        )
+
+
 class BatchNotFoundError(KevlayaError):
     """No batch with this id exists in Redis (never submitted, or expired)."""
 

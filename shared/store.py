@@ -13,10 +13,11 @@ import orjson
 from redis import Redis
 from redis import exceptions as redis_exceptions
 
-from shared.errors import BAD_PAYLOAD, CANCELLED, EXPIRED, BatchNotFoundError
+from shared.errors import BAD_PAYLOAD, CANCELLED, EXPIRED, BatchNotFoundError, WrongTypeError
 from shared.keys import Keys, job_id
 from shared.lifecycle import batch_status
 from shared.result import Result
+from shared.wrongtype import expecting, is_wrong_type
 
 DEFAULT_BATCH_TTL_S = 7 * 24 * 3600
 SUBMIT_ALIVE_S = 120  # a submit that has not written for this long is taken for dead (the batch is not held open)
@@ -309,7 +310,7 @@ def read_batch(redis: Redis, keys: Keys, batch: str) -> BatchRecord:
     with redis.pipeline(transaction=False) as pipe:
         queue_record_reads(pipe, keys, batch)
         raw, running, total, submits = pipe.execute(raise_on_error=False)
-    return batch_record(batch, raw, running, total, submits)
+    return batch_record(keys, batch, raw, running, total, submits)
 
 
 def queue_record_reads(pipe: Any, keys: Keys, batch: str) -> None:
@@ -320,10 +321,15 @@ def queue_record_reads(pipe: Any, keys: Keys, batch: str) -> None:
     pipe.zcount(keys.batch_submits(batch), time.time() - SUBMIT_ALIVE_S, "+inf")
 
 
-def batch_record(batch: str, raw: dict[bytes, bytes], running: int, total: int, submits: int = 0) -> BatchRecord:
+def batch_record(
+    keys: Keys, batch: str, raw: dict[bytes, bytes], running: int, total: int, submits: int = 0
+) -> BatchRecord:
     """A batch's record from what `queue_record_reads` read (a read that failed -- a key some writer gave
-    another type -- counts as empty; an unreadable record as no batch)."""
+    another type -- counts as empty; a record hash of another type is named, so the operator can move it aside;
+    any other unreadable record reads as no batch)."""
     running, total, submits = (n if isinstance(n, int) else 0 for n in (running, total, submits))
+    if is_wrong_type(raw):
+        raise WrongTypeError(keys.batch(batch), "hash")
     if isinstance(raw, Exception):
         raise BatchNotFoundError(f"batch {batch!r} has an unreadable record ({raw})")
     if not raw:
@@ -490,15 +496,18 @@ def iter_export(redis: Redis, keys: Keys, batch: str) -> Iterator[dict[str, Any]
     read_batch(redis, keys, batch)  # raises BatchNotFoundError early
     start = 0
     while True:
-        ids = redis.lrange(keys.batch_items(batch), start, start + _READ_CHUNK - 1)
+        with expecting(redis, {keys.batch_items(batch): "list"}):
+            ids = redis.lrange(keys.batch_items(batch), start, start + _READ_CHUNK - 1)
         if not ids:
             return
         with redis.pipeline(transaction=False) as pipe:
             pipe.hmget(keys.batch_results(batch), ids)
             pipe.hmget(keys.batch_steps(batch), ids)
-            finals, steps = (
-                r if isinstance(r, list) else [None] * len(ids) for r in pipe.execute(raise_on_error=False)
-            )
+            finals, steps = pipe.execute(raise_on_error=False)
+        if is_wrong_type(finals):  # read as no answers, every item would be exported as pending for good
+            raise WrongTypeError(keys.batch_results(batch), "hash")
+        # Steps of another type only lose the escalation chains; the answers are whole.
+        finals, steps = (r if isinstance(r, list) else [None] * len(ids) for r in (finals, steps))
         for cid, final, step in zip(ids, finals, steps, strict=True):
             # No submit writes an id that is not UTF-8: one there is some other writer's, shown as read.
             yield _export_row(batch, cid.decode("utf-8", "replace"), final, step)

@@ -1,0 +1,97 @@
+"""The operator's commands against what they cannot fix themselves: keys of the wrong Redis type, a Redis that
+is down, an empty key prefix, a stray metrics path, a GPU launch that cannot work. Each ends in one line and a
+documented exit code (README, "Exit codes"), never a traceback or a loop."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from redis import Redis
+
+from producer.cli import main
+from producer.client import Client
+from producer.schedule import ScheduleSpec, ScheduleState, SlotRun
+from shared.errors import EXIT_OK, EXIT_USAGE
+from tests.fakes import FAKE_CONFIG
+from tests.test_operator_edges import FailsFirst, items
+from worker.loop import BatchWorker
+from worker.settings import WorkerSettings
+
+
+def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """`kevlaya ARGS` in this process: its exit code and stderr. Any exception but SystemExit (a traceback for the
+    operator) fails the test."""
+    monkeypatch.setattr(sys, "argv", ["kevlaya", *args])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    return int(exited.value.code or 0), capsys.readouterr().err
+
+
+# ---- keys of the wrong type ----------------------------------------------------------------------------------
+@pytest.fixture
+def every_key(redis: Redis, client: Client) -> dict[bytes, tuple[bytes, bytes]]:
+    """A Redis holding one of each key the read commands touch: batch b1 answered with one failure (something to
+    retry), b2 still queued (something to cancel), a schedule with a run, a worker seen. Key -> (DUMP, type)."""
+    client.submit_batch(items(4), batch_id="b1")
+    BatchWorker(redis, FailsFirst({"i1"}), FAKE_CONFIG, WorkerSettings(burst=True)).work()
+    client.submit_batch(items(2), batch_id="b2")
+    state = ScheduleState(client, "nightly")
+    state.save_spec(ScheduleSpec(name="nightly", every_s=10, inputs=("in/*.jsonl",), output="out/{slot}.jsonl"))
+    state.record(SlotRun(slot="20260101T000000Z", status="missed"))
+    return {key: (redis.dump(key), redis.type(key)) for key in redis.keys("*")}
+
+
+READ_COMMANDS = [
+    ("status",),
+    ("status", "b1"),
+    ("results", "b1", "-o", "{tmp}/out.jsonl"),
+    ("batches",),
+    ("cancel", "b2"),
+    ("retry-failed", "b1"),
+    ("schedule", "--list"),
+]
+
+
+@pytest.mark.parametrize("command", READ_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_a_wrong_typed_key_is_named_in_one_line_with_the_data_error_code(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    redis: Redis,
+    redis_url: str,
+    every_key: dict[bytes, tuple[bytes, bytes]],
+    command: tuple[str, ...],
+) -> None:
+    """Each key in turn given another type (some other writer's). A WRONGTYPE reply names no key: it ended in
+    'Redis answered with an error' and exit 3 (Redis unreachable), or 'an unreadable record', and the operator could
+    not tell which key to look at. A command that can go on without the key may; one that stops names the key."""
+    args = [arg.format(tmp=tmp_path) for arg in command]
+    failed = []
+    for key, (_, kind) in sorted(every_key.items()):
+        redis.flushdb()
+        for k, (dump, _) in every_key.items():
+            redis.restore(k, 0, dump)
+        redis.delete(key)
+        redis.rpush(key, "x") if kind == b"string" else redis.set(key, "x")
+        code, err = run_main(monkeypatch, capsys, "--redis-url", redis_url, *args)
+        if code == EXIT_OK:
+            continue
+        lines = err.strip().splitlines()
+        if code != EXIT_USAGE or len(lines) != 1 or key.decode() not in lines[0]:
+            failed.append((key, code, err))
+    assert not failed
+
+
+def test_the_wrong_typed_key_message_says_what_to_do(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], redis: Redis, redis_url: str
+) -> None:
+    redis.set("kevlaya:batches", "x")
+    code, err = run_main(monkeypatch, capsys, "--redis-url", redis_url, "batches")
+    assert code == EXIT_USAGE
+    assert err.strip() == (
+        "error: Redis key 'kevlaya:batches' holds a string, not the zset kevlaya keeps there (some other program "
+        "wrote it): move it aside (redis-cli RENAME 'kevlaya:batches' 'kevlaya:batches.bad') or delete it, then run "
+        "the command again"
+    )
