@@ -5,19 +5,25 @@ documented exit code (README, "Exit codes"), never a traceback or a loop."""
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.cli import main
 from producer.client import Client
 from producer.schedule import ScheduleSpec, ScheduleState, SlotRun
-from shared.errors import EXIT_OK, EXIT_USAGE
-from tests.fakes import FAKE_CONFIG
+from shared.errors import EXIT_OK, EXIT_REDIS, EXIT_USAGE
+from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.test_operator_edges import FailsFirst, items
+from worker import presence
 from worker.loop import BatchWorker
 from worker.settings import WorkerSettings
+from worker.tools.embedded_redis import EmbeddedRedis, free_port
 
 
 def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -95,3 +101,83 @@ def test_the_wrong_typed_key_message_says_what_to_do(
         "wrote it): move it aside (redis-cli RENAME 'kevlaya:batches' 'kevlaya:batches.bad') or delete it, then run "
         "the command again"
     )
+
+
+# ---- a worker against a Redis that is down -------------------------------------------------------------------
+@pytest.fixture
+def short_burst_wait(monkeypatch: pytest.MonkeyPatch) -> float:
+    """A burst worker gives up on a down Redis after 1 s here (15.5 s in use)."""
+    monkeypatch.setattr(presence, "BURST_REDIS_WAIT_S", 1.0, raising=False)  # absent before the bound
+    return 1.0
+
+
+@pytest.fixture
+def fake_worker_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kevlaya worker` runs the fake engine over the fake config (no model to load)."""
+    import worker.config
+    import worker.engine
+
+    monkeypatch.setattr(worker.config, "load_config", lambda path: FAKE_CONFIG)
+    monkeypatch.setattr(worker.engine, "Engine", lambda *args, **kwargs: FakeEngine())
+
+
+def test_a_burst_worker_gives_up_on_a_redis_that_is_down(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], short_burst_wait: float, fake_worker_engine
+) -> None:
+    """It retried for good (0.5 s doubling to 10 s, forever): a cron job's burst run never ended, and said only
+    'retrying'. Now: a bounded wait, one line naming the Redis, exit 3."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    started = time.monotonic()
+    code, err = run_main(
+        monkeypatch, capsys, "--redis-url", url, "worker", "--config", "m.toml", "--burst", "--take-ahead", "off"
+    )
+    assert time.monotonic() - started < 10
+    assert code == EXIT_REDIS
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: cannot reach Redis at ") and url in last
+    assert "Traceback" not in err
+
+
+def test_a_burst_worker_gives_up_when_redis_goes_down_mid_run(short_burst_wait: float) -> None:
+    """Redis gone while a take runs: the loop retried every second for good, burst or not."""
+    with EmbeddedRedis() as server:
+        conn = Redis.from_url(server.url)
+        Client(redis=conn).submit_batch(items(2))
+
+        class Stops(FakeEngine):
+            def run(self, jobs, **kw):
+                server.stop()
+                return super().run(jobs, **kw)
+
+        ended: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                BatchWorker(conn, Stops(), FAKE_CONFIG, WorkerSettings(burst=True, take_ahead=False)).work()
+            except BaseException as exc:  # what the thread ended with is the finding
+                ended.append(exc)
+
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+        assert ended and isinstance(ended[0], (RedisConnectionError, RedisTimeoutError))
+
+
+@pytest.mark.parametrize("burst", [True, False])
+def test_only_a_burst_worker_stops_waiting_for_redis(short_burst_wait: float, burst: bool) -> None:
+    stop = threading.Event()
+    settings = WorkerSettings(burst=burst)
+    waiting = presence.Presence(None, None, None, settings, stop=stop, in_flight=list)  # type: ignore[arg-type]
+
+    def down() -> None:
+        raise RedisConnectionError("Connection refused.")
+
+    timer = threading.Timer(short_burst_wait + 2.5, stop.set)  # a stop ends a long-lived worker's wait
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(RedisConnectionError):
+        waiting.wait_for_redis(down)
+    waited = time.monotonic() - started
+    timer.cancel()
+    assert waited < short_burst_wait + 2.0 if burst else waited >= short_burst_wait + 2.5

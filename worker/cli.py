@@ -44,7 +44,11 @@ def setup_logging(level: str) -> None:
 
 @click.command("worker")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="models.toml")
-@click.option("--burst", is_flag=True, help="Exit when nothing is queued or recoverable.")
+@click.option(
+    "--burst",
+    is_flag=True,
+    help="Exit when nothing is queued or recoverable; exit 3 when Redis stays unreachable for about 15 s.",
+)
 @click.option(
     "--memory-budget",
     type=MemorySize(),

@@ -147,16 +147,21 @@ class BatchWorker:
         self._log_models()
         self.ready.set()
         log.info("worker %s started (burst=%s)", self.name, self.settings.burst)
+        down_since: float | None = None  # monotonic: when the current Redis outage was first met
         try:
             while not self._stop.is_set():
                 try:
                     if not self._step():
                         break
+                    down_since = None
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
                     # Whatever this batch had not written stays registered as started; its heartbeat now
                     # lapses, and recovery requeues it once Redis is back. Nothing is lost, nothing doubled.
-                    log.warning("redis unavailable (%s); retrying", exc)
                     self._let_go()
+                    down_since = time.monotonic() if down_since is None else down_since
+                    if self.presence.gives_up(down_since):
+                        raise  # a burst run ends: the command names the Redis and exits non-zero
+                    log.warning("redis unavailable (%s); retrying", exc)
                     self.presence.redis_ok_since = time.time()
                     self._stop.wait(1.0)
                 except redis.exceptions.ResponseError as exc:

@@ -27,6 +27,13 @@ log = logging.getLogger("kevlaya.worker")
 
 T = TypeVar("T")
 
+# The wait for a Redis that is down: a backoff from REDIS_RETRY_FIRST_S, doubling up to REDIS_RETRY_MAX_S.
+REDIS_RETRY_FIRST_S = 0.5
+REDIS_RETRY_MAX_S = 10.0
+# A --burst run (a cron job, CI) gives up on a Redis that stays down once the backoff has climbed to its cap
+# (0.5 + 1 + 2 + 4 + 8 s): waiting for good, it never exited and nothing said why. A long-lived worker waits on.
+BURST_REDIS_WAIT_S = 15.5
+
 
 class Presence:
     def __init__(
@@ -50,22 +57,28 @@ class Presence:
         self._beat: threading.Thread | None = None
 
     def wait_for_redis(self, fn: Callable[[], T]) -> T:
-        """Call fn, waiting with backoff while Redis is down (the model stays loaded meanwhile)."""
-        delay = 0.5
+        """Call fn, waiting with backoff while Redis is down (the model stays loaded meanwhile); a burst worker
+        waits BURST_REDIS_WAIT_S at most, then the ConnectionError goes on up (the command names the URL)."""
+        delay, since = REDIS_RETRY_FIRST_S, time.monotonic()
         while True:
             try:
                 return fn()
             except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as exc:
                 raise RedisUnavailableError(redis_problem(exc)) from exc  # retrying cannot fix a credential
             except redis.exceptions.ConnectionError as exc:
-                if self.stop.is_set():
+                if self.stop.is_set() or self.gives_up(since):
                     raise
                 log.warning("redis unavailable (%s); retrying in %.1f s", exc, delay)
                 # A stop (SIGTERM) ends the wait at once: sleeping out a 10 s backoff, then trying once more
                 # (a connect that can itself take the socket timeout) outlasts `docker stop`'s grace period.
                 if self.stop.wait(delay):
                     raise
-                delay = min(delay * 2, 10.0)
+                delay = min(delay * 2, REDIS_RETRY_MAX_S)
+
+    def gives_up(self, down_since: float) -> bool:
+        """Whether a worker that has found Redis down since `down_since` (monotonic) stops waiting: a burst one, at
+        BURST_REDIS_WAIT_S."""
+        return self.settings.burst and time.monotonic() - down_since >= BURST_REDIS_WAIT_S
 
     def arrive(self) -> None:
         """Register (taking over a dead registration of our name), beat once, start the heartbeat thread."""
