@@ -114,6 +114,17 @@ def expires_in_option(help_text: str) -> Callable[[Callable[..., Any]], Callable
     )
 
 
+def key_prefix(ctx: click.Context, param: click.Parameter, prefix: str) -> str:
+    """The --prefix given, refused in one line when empty or blank: kevlaya's keys (`batches`, `events`, `notices`,
+    `schedules`, queues named after the bare model) would then sit among every other program's keys in the
+    database, where a flush or a clash of names is some other writer's to make."""
+    if not prefix.strip():
+        raise click.ClickException(
+            f"--prefix {prefix!r}: give a non-empty prefix, e.g. {DEFAULT_PREFIX!r} (the default)"
+        )
+    return prefix
+
+
 @click.group(cls=_LazyGroup)
 @click.version_option(package_name="kevlaya", message="kevlaya %(version)s")
 @click.option(
@@ -123,7 +134,13 @@ def expires_in_option(help_text: str) -> Callable[[Callable[..., Any]], Callable
     help="redis://[user:pass@]host:port/db, rediss://… or redis+sentinel://[user:pass@]host:port[,host:port]"
     "/service[/db] (env REDIS_URL; default localhost:6379/0)",
 )
-@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, help="Prefix of every kevlaya key in Redis.")
+@click.option(
+    "--prefix",
+    default=DEFAULT_PREFIX,
+    show_default=True,
+    callback=key_prefix,
+    help="Prefix of every kevlaya key in Redis (not empty).",
+)
 @click.pass_context
 def cli(ctx: click.Context, redis_url: str | None, prefix: str) -> None:
     """kevlaya: queue-driven batch worker for the Kev and Laya decision models."""

@@ -181,3 +181,24 @@ def test_only_a_burst_worker_stops_waiting_for_redis(short_burst_wait: float, bu
     waited = time.monotonic() - started
     timer.cancel()
     assert waited < short_burst_wait + 2.0 if burst else waited >= short_burst_wait + 2.5
+
+
+# ---- the key prefix ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prefix", ["", " ", "\t\n"])
+@pytest.mark.parametrize("command", [("status",), ("batches",), ("worker", "--config", "m.toml", "--burst")])
+def test_an_empty_prefix_is_refused_in_one_line_before_redis_is_read(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    redis: Redis,
+    redis_url: str,
+    fake_worker_engine: None,
+    prefix: str,
+    command: tuple[str, ...],
+) -> None:
+    """It was taken: kevlaya's keys (`batches`, `notices`, `schedules`, queues named after the bare model) then sat
+    among every other program's in the database."""
+    redis.set("batches", "someone else's")
+    code, err = run_main(monkeypatch, capsys, "--redis-url", redis_url, "--prefix", prefix, *command)
+    assert code == EXIT_USAGE
+    assert len(err.strip().splitlines()) == 1 and "--prefix" in err
+    assert redis.keys("*") == [b"batches"]
