@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.test_operator_edges import FailsFirst, items
 from worker import presence
 from worker.loop import BatchWorker
+from worker.metrics import HealthServer
 from worker.settings import WorkerSettings
 from worker.tools.embedded_redis import EmbeddedRedis, free_port
 
@@ -202,3 +205,28 @@ def test_an_empty_prefix_is_refused_in_one_line_before_redis_is_read(
     assert code == EXIT_USAGE
     assert len(err.strip().splitlines()) == 1 and "--prefix" in err
     assert redis.keys("*") == [b"batches"]
+
+
+# ---- the metrics endpoint ------------------------------------------------------------------------------------
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_metrics_are_served_on_metrics_only(redis: Redis) -> None:
+    """Every path but /healthz and /readyz answered 200 with the metrics (/, /metricz, /favicon.ico): a scraper or
+    probe pointed at a mistyped path looked healthy."""
+    worker = BatchWorker(redis, FakeEngine(), FAKE_CONFIG, WorkerSettings(name="m1"))
+    server = HealthServer(worker, 0, host="127.0.0.1").start()
+    try:
+        status, text = _get(server.port, "/metrics")
+        assert status == 200 and "kevlaya_jobs" in text
+        assert _get(server.port, "/healthz") == (200, "ok\n")
+        for path in ("/", "/metricz", "/metrics/x", "/favicon.ico", "/healthz/x"):
+            status, text = _get(server.port, path)
+            assert status == 404 and "kevlaya_jobs" not in text, path
+    finally:
+        server.stop()

@@ -149,7 +149,10 @@ class HealthServer:
                 if problem
                 else _text(start, "200 OK", "ready\n")
             )
-        return self.metrics(environ, start)
+        if path == "/metrics":
+            return self.metrics(environ, start)
+        # Not the metrics on every other path: a probe or scraper pointed at a wrong one must see it fail.
+        return _text(start, "404 Not Found", "not found: /metrics, /healthz and /readyz are served here\n")
 
     def _not_ready(self) -> str | None:
         if not self.worker.ready.is_set():
