@@ -22,7 +22,7 @@ from producer.schedule import ScheduleSpec, ScheduleState, SlotRun
 from shared.errors import EXIT_OK, EXIT_REDIS, EXIT_USAGE
 from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.test_operator_edges import FailsFirst, items
-from worker import presence
+from worker import presence, supervisor
 from worker.loop import BatchWorker
 from worker.metrics import HealthServer
 from worker.settings import WorkerSettings
@@ -230,3 +230,51 @@ def test_metrics_are_served_on_metrics_only(redis: Redis) -> None:
             assert status == 404 and "kevlaya_jobs" not in text, path
     finally:
         server.stop()
+
+
+# ---- worker --gpus -------------------------------------------------------------------------------------------
+@pytest.fixture
+def started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """--gpus children are a fake that notes its GPU in a file of this folder and exits 0 (no model, no GPU)."""
+    note = "import os, pathlib, sys; pathlib.Path(sys.argv[1], os.environ['CUDA_VISIBLE_DEVICES']).touch()"
+    monkeypatch.setattr(supervisor, "WORKER_CMD", [sys.executable, "-c", note, str(tmp_path)])
+    return tmp_path
+
+
+def gpus_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], gpus_on_machine: int, *args: str
+) -> tuple[int, str]:
+    monkeypatch.setattr(supervisor, "cuda_count", lambda: gpus_on_machine)
+    return run_main(monkeypatch, capsys, "worker", "--config", "m.toml", *args)
+
+
+@pytest.mark.parametrize(("port", "gpus"), [("65535", "0,1"), ("65534", "0,1,2")])
+def test_gpus_refuses_metrics_ports_past_65535_at_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], started: Path, port: str, gpus: str
+) -> None:
+    """The last child got --metrics-port 65536, refused it, and was restarted into the same refusal three times."""
+    code, err = gpus_run(monkeypatch, capsys, 0, "--gpus", gpus, "--metrics-port", port)
+    assert code == EXIT_USAGE
+    assert len(err.strip().splitlines()) == 1 and "--metrics-port" in err and "65535" in err
+    assert not list(started.iterdir())  # no child started
+
+
+def test_gpus_refuses_a_gpu_the_machine_does_not_have(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], started: Path
+) -> None:
+    """A child on GPU 2 of a 2-GPU machine sees no device: it crashed through its restarts, then took the others
+    down with it."""
+    code, err = gpus_run(monkeypatch, capsys, 2, "--gpus", "0,1,2")
+    assert code == EXIT_USAGE
+    assert len(err.strip().splitlines()) == 1 and "GPU 2 is not on this machine" in err
+    assert not list(started.iterdir())
+
+
+@pytest.mark.parametrize(("on_machine", "gpus"), [(2, "0,1"), (0, "0,5")])
+def test_gpus_still_starts_what_fits_or_cannot_be_checked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], started: Path, on_machine: int, gpus: str
+) -> None:
+    """The last port 65535 is a port; a machine whose GPUs cannot be counted without CUDA (0) refuses no index."""
+    code, err = gpus_run(monkeypatch, capsys, on_machine, "--gpus", gpus, "--metrics-port", "65534")
+    assert code == EXIT_OK, err
+    assert sorted(p.name for p in started.iterdir()) == gpus.split(",")

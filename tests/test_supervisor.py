@@ -64,6 +64,7 @@ def fake_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     script = tmp_path / "fake_child.py"
     script.write_text(FAKE_CHILD)
     monkeypatch.setattr(supervisor, "WORKER_CMD", [sys.executable, str(script)])
+    monkeypatch.setattr(supervisor, "cuda_count", lambda: 0)  # GPUs unknown, as on a CPU machine: none refused
     monkeypatch.setenv("FAKE_OUT", str(tmp_path))
     return script
 

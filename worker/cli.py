@@ -161,8 +161,9 @@ def setup_logging(level: str) -> None:
     "--gpus",
     default=None,
     help="`all` or a list like 0,1: one worker process per GPU under this one (CUDA_VISIBLE_DEVICES each, named "
-    "NAME-gpuID, metrics on port N+i); signals are forwarded, a crashed worker restarted (3 times in 10 min, then "
-    "the others are stopped and the exit is non-zero). The workers share a queue's tail among those idle.",
+    "NAME-gpuID, metrics on port N+i, at most 65535); signals are forwarded, a crashed worker restarted (3 times "
+    "in 10 min, then the others are stopped and the exit is non-zero). The workers share a queue's tail among those "
+    "idle.",
 )
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="info", show_default=True)
 @click.pass_context
@@ -245,21 +246,20 @@ def _supervise(ctx: click.Context, gpus: str) -> int:
     params = ctx.params
     if params["device"] not in (None, "cuda"):
         raise click.UsageError(f"--gpus picks the devices: drop --device {params['device']}")
-    try:
-        chosen = parse_gpus(gpus, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
-        base = worker_name(params["name"])
-    except KevlayaError as exc:
-        raise click.ClickException(str(exc)) from exc
     obj = ctx.obj or {}
     redis_url = obj.get("redis_url")
-    children = child_specs(
-        chosen,
-        base_name=base,
-        worker_args=_passed_on(ctx),
-        global_args=["--prefix", obj.get("prefix", DEFAULT_PREFIX)],
-        metrics_port=params["metrics_port"],
-        env={"REDIS_URL": redis_url} if redis_url else None,  # not in argv, where `ps` shows a password
-    )
+    try:
+        chosen = parse_gpus(gpus, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+        children = child_specs(
+            chosen,
+            base_name=worker_name(params["name"]),
+            worker_args=_passed_on(ctx),
+            global_args=["--prefix", obj.get("prefix", DEFAULT_PREFIX)],
+            metrics_port=params["metrics_port"],
+            env={"REDIS_URL": redis_url} if redis_url else None,  # not in argv, where `ps` shows a password
+        )
+    except KevlayaError as exc:
+        raise click.ClickException(str(exc)) from exc
     return Supervisor(children).run()
 
 

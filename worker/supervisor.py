@@ -44,15 +44,21 @@ WORKER_CMD: list[str] = [
 ]
 
 
+MAX_PORT = 65535
+
+
 def cuda_count() -> int:
     import torch
 
     return int(torch.cuda.device_count())
 
 
-def parse_gpus(text: str, *, visible: str | None = None, count: Callable[[], int] = cuda_count) -> list[str]:
+def parse_gpus(text: str, *, visible: str | None = None, count: Callable[[], int] | None = None) -> list[str]:
     """`all` or a comma list of GPU indices/UUIDs -> each child's CUDA_VISIBLE_DEVICES. Under a parent
-    CUDA_VISIBLE_DEVICES (`visible`), `all` is that list and indices count within it, as CUDA counts them."""
+    CUDA_VISIBLE_DEVICES (`visible`), `all` is that list and indices count within it, as CUDA counts them; else
+    an index past the machine's GPUs (`count`, CUDA's device count) is refused. A count of 0 (no driver, a CPU
+    machine) says nothing: such a list is left to the children."""
+    count = count or cuda_count
     shown = [v.strip() for v in visible.split(",") if v.strip()] if visible else None
     text = text.strip()
     if text == "all":
@@ -64,10 +70,17 @@ def parse_gpus(text: str, *, visible: str | None = None, count: Callable[[], int
     bad = [t for t in items if not GPU_RE.match(t)]
     if bad:
         raise ConfigError(f"--gpus {text!r}: expected `all` or a comma list of GPU indices or UUIDs, not {bad[0]!r}")
+    # Asked only where an index must be checked against it (importing torch costs the parent seconds).
+    on_machine = count() if shown is None and any(t.isdigit() for t in items) else 0
     out = []
     for t in items:
         if shown is not None and t.isdigit() and int(t) >= len(shown):
             raise ConfigError(f"--gpus {text!r}: GPU {t} is not among CUDA_VISIBLE_DEVICES={visible}")
+        # A child on a GPU that is not there sees no device: it would crash through its restarts.
+        if shown is None and t.isdigit() and 0 < on_machine <= int(t):
+            raise ConfigError(
+                f"--gpus {text!r}: GPU {t} is not on this machine (it has {on_machine}: 0-{on_machine - 1})"
+            )
         out.append(_resolve(t, shown))
     if len(set(out)) != len(out):  # after resolving: `0,00`, or an index and the UUID it stands for
         raise ConfigError(f"--gpus {text!r} names a GPU twice")
@@ -100,7 +113,14 @@ def child_specs(
     metrics_port: int | None = None,
     env: Mapping[str, str] | None = None,
 ) -> list[ChildSpec]:
-    """The children of `--gpus`: the same worker arguments, a name and a GPU each (and a metrics port)."""
+    """The children of `--gpus`: the same worker arguments, a name and a GPU each (and a metrics port: N+i, so
+    ConfigError when the last one would pass 65535; its child would refuse it and crash through its restarts)."""
+    last = metrics_port + len(gpus) - 1 if metrics_port else None
+    if last is not None and last > MAX_PORT:
+        raise ConfigError(
+            f"--metrics-port {metrics_port} for {len(gpus)} GPUs: the last worker's would be {last}, past {MAX_PORT}; "
+            f"give one of at most {MAX_PORT - len(gpus) + 1} (or 0: any free port each)"
+        )
     out = []
     for i, gpu in enumerate(gpus):
         name = f"{base_name}-gpu{gpu}"
