@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from producer.client import BatchHandle, Client
+from producer.outages import async_store_call
 from producer.reads import answer_of, check_wait, custom_id_of, known_batch_id, known_custom_id, split_job_id
 from shared.conn import check_url, connect_async, redis_url
 from shared.errors import WaitTimeoutError
@@ -28,6 +29,7 @@ class AsyncClient:
         url = check_url(redis_url(url))
         self.sync = Client(redis_url=url, prefix=prefix, **client_kw)
         self.redis = connect_async(url)
+        self.redis_shown = self.sync.redis_shown  # the same Redis
         self.keys = Keys(prefix)
 
     async def submit(
@@ -44,12 +46,14 @@ class AsyncClient:
     async def retry_failed(self, batch: str) -> int:
         return await asyncio.to_thread(self.sync.retry_failed, batch)
 
+    @async_store_call
     async def status(self, batch: str) -> BatchRecord:
         async with self.redis.pipeline(transaction=False) as pipe:
             queue_record_reads(pipe, self.keys, known_batch_id(batch))
             raw, running, total, submits = await pipe.execute(raise_on_error=False)
         return batch_record(self.keys, batch, raw, running, total, submits)
 
+    @async_store_call
     async def result(self, job_id_or_batch: str, custom_id: str | None = None) -> dict[str, Any] | None:
         """One item's final answer (or error), or None while it is pending: by (batch, custom_id), or by the
         job id `submit` returned, as `Client.result`. BatchNotFoundError when there is no such item."""
@@ -65,6 +69,7 @@ class AsyncClient:
             raw, in_batch = await pipe.execute(raise_on_error=False)
         return answer_of(batch, custom_id, None if isinstance(raw, Exception) else raw, in_batch)
 
+    @async_store_call
     async def wait(self, batch: str, *, poll_s: float = 0.5, timeout_s: float | None = None) -> BatchRecord:
         """Until every item has a final result; WaitTimeoutError if timeout_s passes first."""
         check_wait(poll_s, timeout_s)

@@ -28,7 +28,7 @@ from shared.errors import (
     EXIT_REDIS,
     EXIT_USAGE,
     KevlayaError,
-    RedisUnavailableError,
+    StoreError,
     SubmissionError,
     WaitTimeoutError,
 )
@@ -498,7 +498,8 @@ def main() -> None:
         code = EXIT_INCOMPLETE
     except KevlayaError as exc:
         click.echo(f"error: {exc}", err=True)
-        code = EXIT_REDIS if isinstance(exc, RedisUnavailableError) else EXIT_USAGE
+        # Redis answering with a key of another type: the data is wrong, not Redis (as below)
+        code = EXIT_REDIS if isinstance(exc, StoreError) and not is_wrong_type(exc.__cause__) else EXIT_USAGE
     except redis_exceptions.RedisError as exc:
         click.echo(f"error: {redis_problem(exc, _CONTEXT.get('redis_url'))}", err=True)
         code = EXIT_USAGE if is_wrong_type(exc) else EXIT_REDIS  # Redis answered: the data is wrong, not Redis

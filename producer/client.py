@@ -12,9 +12,10 @@ from typing import Any
 from redis import Redis
 from redis.exceptions import WatchError
 
+from producer.outages import store_call
 from producer.reads import BatchReads
 from shared import models as known_models
-from shared.conn import connect
+from shared.conn import connect, url_of
 from shared.enqueue import (
     ENQUEUE_TRIES,
     EnqueueSettings,
@@ -120,6 +121,7 @@ class Client(BatchReads):
         job_timeout_s: int = DEFAULT_JOB_TIMEOUT_S,
     ) -> None:
         self.redis = redis if redis is not None else connect(redis_url)
+        self.redis_shown = url_of(self.redis)  # what a StoreError names
         self.keys = Keys(prefix)
         self.limits = limits
         self.batch_ttl_s = batch_ttl_s
@@ -134,6 +136,7 @@ class Client(BatchReads):
         return self.queues[QueueRef(model, lane)]
 
     # ---- submit ---------------------------------------------------------------------------
+    @store_call
     def submit(
         self, job: dict[str, Any] | Job, *, model: str | None = None, lane: str = INTERACTIVE
     ) -> tuple[str, str]:
@@ -150,6 +153,7 @@ class Client(BatchReads):
             obj = {**obj, "custom_id": f"item-{position}"}
         return Job.from_dict(obj, limits=self.limits, default_model=default_model)
 
+    @store_call
     def submit_batch(
         self,
         jobs: Iterable[Job | dict[str, Any]],
@@ -301,6 +305,7 @@ class Client(BatchReads):
     # ---- retry ----------------------------------------------------------------------------
     RETRY_TRIES = 50  # transactions tried while workers keep writing the batch's other results
 
+    @store_call
     def retry_failed(self, batch: str) -> int:
         """Run the batch's failed items again (errors other than cancelled and expired): every error is removed
         and its job enqueued again in one transaction, so an item is never both or neither, and the batch is
@@ -343,6 +348,7 @@ class Client(BatchReads):
         raise KevlayaError(f"batch {batch}: its results kept changing; nothing was retried, try again")
 
     # ---- cancel ---------------------------------------------------------------------------
+    @store_call
     def cancel(self, batch: str) -> int:
         """Cancel every still-queued item of the batch; running ones finish. Returns how many were cancelled.
 

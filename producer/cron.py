@@ -26,6 +26,7 @@ from rq.utils import now
 
 from producer.client import Client
 from producer.schedule import ScheduleSpec, SlotRunner, run_slot, stamp
+from shared.errors import RedisUnavailableError
 
 log = logging.getLogger("kevlaya.schedule")
 
@@ -58,7 +59,7 @@ class SlotJob(CronJob):
         try:
             self.func(*self.args, stamp(slot), runner=self.runner)  # type: ignore[misc]
             cron_job_registry.add(self.name, connection, enqueue_timestamp=slot.timestamp())
-        except (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError) as exc:
+        except (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError, RedisUnavailableError) as exc:
             # Raising here would leave the slot due, and RQ's loop would retry it without sleeping. Unclaimed,
             # the next slot reports it missed; claimed, its record says how far it got.
             log.error("schedule %s: slot %s not run, redis unavailable (%s)", self.runner.spec.name, stamp(slot), exc)

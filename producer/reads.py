@@ -10,6 +10,7 @@ from typing import Any
 from redis import Redis
 from redis.exceptions import ResponseError
 
+from producer.outages import store_call, store_iter
 from shared.enqueue import Queue, lane_depths
 from shared.errors import BatchNotFoundError, ValidationError, WaitTimeoutError, WrongTypeError
 from shared.keys import BATCH_ID_RE, Keys, QueueRef, job_id
@@ -79,12 +80,15 @@ class BatchReads:
     """What `Client` reads: its `redis`, `keys` and `queues` are set by the client."""
 
     redis: Redis
+    redis_shown: str  # the URL a StoreError names (password hidden)
     keys: Keys
     queues: dict[QueueRef, Queue]
 
+    @store_call
     def status(self, batch: str) -> BatchRecord:
         return read_batch(self.redis, self.keys, known_batch_id(batch))
 
+    @store_call
     def wait(
         self, batch: str, *, poll_s: float = 0.5, timeout_s: float | None = None, on_poll: Any = None
     ) -> BatchRecord:
@@ -108,10 +112,12 @@ class BatchReads:
                     raise WaitTimeoutError.for_batch(batch, c.done, c.total, timeout_s)
                 events.get_message(timeout=poll_s if left is None else min(poll_s, left))
 
+    @store_call
     def workers_seen(self, within_s: float = 60.0) -> int:
         """Workers whose heartbeat is younger than within_s."""
         return int(self.redis.zcount(self.keys.workers(), time.time() - within_s, "+inf"))
 
+    @store_call
     def result(self, job_id_or_batch: str, custom_id: str | None = None) -> dict[str, Any] | None:
         """One item's final answer (or error), or None while it is pending: by (batch, custom_id), or by the
         job id `submit` returned. BatchNotFoundError when there is no such item (or its batch expired)."""
@@ -128,7 +134,7 @@ class BatchReads:
 
     def iter_results(self, batch: str) -> Iterator[dict[str, Any]]:
         """One dict per item in input order: final answer (with its escalation chain) or error."""
-        return iter_export(self.redis, self.keys, known_batch_id(batch))
+        return store_iter(iter_export(self.redis, self.keys, known_batch_id(batch)), self.redis_shown)
 
     def _worker_row(self, raw_name: bytes, age_s: float) -> dict[str, Any]:
         name = raw_name.decode("utf-8", "replace")
@@ -140,6 +146,7 @@ class BatchReads:
         counts = {f: int(v) for f, v in zip(fields, values, strict=True) if v is not None and v.isdigit()}
         return {"name": name, "last_seen_s": round(age_s, 1), **counts}
 
+    @store_call
     def batches(self, *, limit: int = 20) -> list[BatchRecord]:
         """The newest batches first (those whose keys have expired are left out)."""
         out: list[BatchRecord] = []
@@ -156,6 +163,7 @@ class BatchReads:
                 break
         return out
 
+    @store_call
     def overview(self) -> dict[str, Any]:
         """Per model and lane: jobs queued and the head's wait in seconds; the workers seen in the last minute."""
         now = time.time()

@@ -35,7 +35,14 @@ from redis.exceptions import WatchError
 
 from producer.client import DEFAULT_COMPLETION_WINDOW_S, Client
 from producer.jsonl import parse_lines, read_lines, written_whole
-from shared.errors import KevlayaError, SubmissionError, ValidationError, shown
+from shared.errors import (
+    KevlayaError,
+    RedisUnavailableError,
+    StoreError,
+    SubmissionError,
+    ValidationError,
+    shown,
+)
 from shared.job import Job
 from shared.wrongtype import expecting
 
@@ -413,6 +420,8 @@ class SlotRunner:
             handle = self.client.submit_batch(
                 jobs, batch_id=batch, escalate=spec.escalate, completion_window_s=spec.expires_in_s
             )
+        except StoreError:
+            raise  # Redis failing is no fault of the slot: it stays `submitting`, submitted again when taken over
         except KevlayaError as exc:
             self._record(replace(run, status="failed", error=str(exc)), str(exc))
             return
@@ -461,7 +470,7 @@ class SlotRunner:
         while True:
             try:
                 return self._export(slot, run)
-            except (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError) as exc:
+            except (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError, RedisUnavailableError) as exc:
                 log.warning(
                     "schedule %s: slot %s: redis unavailable (%s); retrying in %.0f s",
                     self.spec.name,

@@ -19,8 +19,9 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from redis import Redis
 from redis import exceptions as redis_exceptions
 from redis.asyncio import Redis as AsyncRedis
+from redis.connection import SSLConnection
 
-from shared.errors import ConfigError
+from shared.errors import ConfigError, RedisCommandError, RedisUnavailableError, StoreError
 from shared.wrongtype import is_wrong_type, key_named
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -168,3 +169,32 @@ def redis_problem(exc: redis_exceptions.RedisError, url: str | None = None) -> s
             "program wrote it: move it aside (redis-cli RENAME) or delete it, then run the command again"
         )
     return f"Redis at {where} answered with an error: {exc}"
+
+
+def store_error(exc: redis_exceptions.RedisError, url: str) -> StoreError:
+    """The project's error for a Redis call that failed, its message `redis_problem`'s one line. Raise it
+    `from exc`: the redis-py error stays the `__cause__`."""
+    unavailable = (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError, redis_exceptions.NoPermissionError)
+    kind = RedisUnavailableError if isinstance(exc, unavailable) else RedisCommandError
+    return kind(redis_problem(exc, url))
+
+
+def url_of(redis: Redis) -> str:
+    """A URL naming where a client connects, for messages (never its password): a client built from a
+    connection rather than a URL (`Client(redis=...)`) still names its Redis when that Redis fails."""
+    pool = redis.connection_pool
+    kw = pool.connection_kwargs
+    user, db = (f"{kw['username']}@" if kw.get("username") else ""), kw.get("db", 0)
+    service = getattr(pool, "service_name", None)
+    if service is not None:  # redis.sentinel's pool: the primary is whichever the sentinels name
+        sentinels = getattr(getattr(pool, "sentinel_manager", None), "sentinels", [])
+        return f"{SENTINEL_SCHEME}://{user}{','.join(map(_address, sentinels))}/{service}/{db}"
+    if kw.get("path"):
+        return f"unix://{user}{kw['path']}?db={db}"
+    scheme = "rediss" if issubclass(pool.connection_class, SSLConnection) else "redis"
+    return f"{scheme}://{user}{_address(redis)}/{db}"
+
+
+def _address(redis: Redis) -> str:
+    kw = redis.connection_pool.connection_kwargs
+    return f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}"

@@ -121,7 +121,11 @@ class WaitTimeoutError(KevlayaError):
         return cls(f"batch {batch}: {done}/{total} done after {timeout_s} s; still running")
 
 
-class RedisUnavailableError(KevlayaError):
+class StoreError(KevlayaError):
+    """Redis failed a call; the message names its URL (no password), the redis-py error is the `__cause__`."""
+
+
+class RedisUnavailableError(StoreError):
     """Redis cannot be reached, or refused our credentials or permissions."""
 
 
@@ -137,6 +141,10 @@ class WrongTypeError(KevlayaError):
             f"Redis key {key!r} holds {held}, not the {expected} kevlaya keeps there (some other program wrote it): "
             f"move it aside (redis-cli RENAME '{key}' '{key}.bad') or delete it, then run the command again"
         )
+
+
+class RedisCommandError(StoreError):
+    """Redis answered a command with an error (out of memory, a read-only replica, a key of another type)."""
 
 
 class BatchNotFoundError(KevlayaError):

@@ -21,6 +21,7 @@ from redis import Redis
 from producer.cli import cli
 from producer.client import Client
 from shared.acl import producer_acl_rules
+from shared.errors import RedisUnavailableError
 from shared.keys import Keys, job_id
 from tests.conftest import tiny_config
 from tests.tcp_proxy import DropProxy
@@ -54,7 +55,7 @@ def items(n: int, prefix: str = "j") -> list[dict]:
 def complete(client: Client, batch: str) -> bool:
     try:
         return client.status(batch).complete
-    except redis_lib.exceptions.ConnectionError:
+    except RedisUnavailableError:  # Redis restarting
         return False
 
 

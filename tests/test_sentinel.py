@@ -15,14 +15,13 @@ import pytest
 from click.testing import CliRunner
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.aio import AsyncClient
 from producer.cli import cli
 from producer.client import Client
 from shared.conn import SentinelTarget, check_url, connect, redacted, sentinel_target
-from shared.errors import ConfigError
+from shared.errors import ConfigError, StoreError
 from tests.fakes import FakeEngine
 from tests.worker_helpers import assert_each_item_answered_once, wait_until
 from worker.loop import BatchWorker
@@ -160,7 +159,7 @@ def submit_retrying(client: Client, jobs: list[dict], batch_id: str, timeout_s: 
         try:
             client.submit_batch(jobs, batch_id=batch_id, escalate=False)
             return
-        except (RedisConnectionError, RedisTimeoutError, ReadOnlyError):
+        except StoreError:  # refused (no primary yet), or answered READONLY by the old one's replica
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
