@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 from producer.client import BatchHandle, Client
-from producer.outages import async_store_call
+from producer.outages import Outage, async_store_call
 from producer.reads import answer_of, check_wait, custom_id_of, known_batch_id, known_custom_id, split_job_id
 from shared.conn import check_url, connect_async, redis_url
 from shared.errors import WaitTimeoutError
@@ -48,6 +49,9 @@ class AsyncClient:
 
     @async_store_call
     async def status(self, batch: str) -> BatchRecord:
+        return await self._status(batch)
+
+    async def _status(self, batch: str) -> BatchRecord:
         async with self.redis.pipeline(transaction=False) as pipe:
             queue_record_reads(pipe, self.keys, known_batch_id(batch))
             raw, running, total, submits = await pipe.execute(raise_on_error=False)
@@ -71,11 +75,14 @@ class AsyncClient:
 
     @async_store_call
     async def wait(self, batch: str, *, poll_s: float = 0.5, timeout_s: float | None = None) -> BatchRecord:
-        """Until every item has a final result; WaitTimeoutError if timeout_s passes first."""
+        """Until every item has a final result; WaitTimeoutError if timeout_s passes first. Redis being
+        unreachable meanwhile is retried with backoff until the deadline, as `Client.wait`."""
         check_wait(poll_s, timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        outage = Outage(deadline)
+        retry = outage.async_retry()
         while True:
-            record = await self.status(batch)
+            record = await retry.call_with_retry(partial(self._status, batch), outage.async_give_up)
             if record.complete:
                 return record
             if deadline is not None and time.monotonic() >= deadline:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Iterator
+from functools import partial
 from typing import Any
 
 from redis import Redis
+from redis.client import PubSub
 from redis.exceptions import ResponseError
 
-from producer.outages import store_call, store_iter
+from producer.outages import Outage, store_call, store_iter
 from shared.enqueue import Queue, lane_depths
 from shared.errors import BatchNotFoundError, ValidationError, WaitTimeoutError, WrongTypeError
 from shared.keys import BATCH_ID_RE, Keys, QueueRef, job_id
@@ -93,15 +95,19 @@ class BatchReads:
         self, batch: str, *, poll_s: float = 0.5, timeout_s: float | None = None, on_poll: Any = None
     ) -> BatchRecord:
         """Poll until every item has a final result; returns the complete record. Raises WaitTimeoutError
-        if timeout_s passes first (the batch goes on; wait again or export what is done)."""
+        if timeout_s passes first (the batch goes on; wait again or export what is done). Redis being
+        unreachable meanwhile is retried with backoff until the deadline (`OUTAGE_S` without one), and only
+        then raised (RedisUnavailableError): a restart or failover does not end the wait."""
         check_wait(poll_s, timeout_s)
+        known_batch_id(batch)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        outage = Outage(deadline)
+        retry = outage.retry()
         # The worker that writes a batch's last result announces it on the events channel: the wait wakes
         # on that message, and polls at `poll_s` only to show progress (and in case a message was missed).
         with self.redis.pubsub(ignore_subscribe_messages=True) as events:
-            events.subscribe(self.keys.events())
             while True:
-                record = self.status(batch)
+                record = retry.call_with_retry(partial(self._poll, events, batch), outage.give_up)
                 if on_poll is not None:
                     on_poll(record)
                 if record.complete:
@@ -110,7 +116,14 @@ class BatchReads:
                 if left is not None and left <= 0:
                     c = record.counts
                     raise WaitTimeoutError.for_batch(batch, c.done, c.total, timeout_s)
-                events.get_message(timeout=poll_s if left is None else min(poll_s, left))
+                wait_s = poll_s if left is None else min(poll_s, left)
+                retry.call_with_retry(partial(events.get_message, timeout=wait_s), outage.give_up)
+
+    def _poll(self, events: PubSub, batch: str) -> BatchRecord:
+        """The batch's record, subscribed to the events channel first (again, after a failed subscribe)."""
+        if not events.channels:
+            events.subscribe(self.keys.events())
+        return read_batch(self.redis, self.keys, batch)
 
     @store_call
     def workers_seen(self, within_s: float = 60.0) -> int:

@@ -5,7 +5,9 @@ same keyword for the Redis URL."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -17,7 +19,9 @@ from producer.aio import AsyncClient
 from producer.client import Client
 from shared.errors import RedisCommandError, RedisUnavailableError, StoreError
 from shared.keys import Keys
-from worker.tools.embedded_redis import free_port
+from tests.fakes import FakeEngine
+from tests.worker_helpers import drain
+from worker.tools.embedded_redis import EmbeddedRedis, free_port
 
 PASSWORD = "hunter2"
 JOB = {"custom_id": "a", "model": "laya", "prompt": "p"}
@@ -99,3 +103,86 @@ def test_a_command_redis_refuses_is_a_store_error_too(client: Client, redis: Red
         client.workers_seen()
     assert isinstance(caught.value.__cause__, ResponseError)
     assert f":{redis.connection_pool.connection_kwargs['port']}/" in str(caught.value)
+
+
+# ---- a wait rides out a brief outage --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def own_redis() -> Iterator[EmbeddedRedis]:
+    """A redis-server of this test alone, to stop and start (AOF: the batch outlives the restart)."""
+    with EmbeddedRedis(aof=True) as server:
+        yield server
+
+
+def outage_then_answers(server: EmbeddedRedis, batch_done: Callable[[], bool], down_s: float = 1.5) -> None:
+    """While a wait runs: Redis stops, stays down `down_s`, starts again on the same port, and a worker
+    answers the batch."""
+    time.sleep(0.3)  # the wait is polling
+    server.stop()
+    time.sleep(down_s)
+    server.start()
+    redis = Redis.from_url(server.url)
+    drain(redis, FakeEngine())
+    assert batch_done()
+    redis.close()
+
+
+def test_a_wait_rides_out_a_brief_redis_outage(own_redis: EmbeddedRedis) -> None:
+    client = Client(redis_url=own_redis.url)
+    batch, _ = client.submit(JOB)
+    outcome: list[Any] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(client.wait(batch, poll_s=0.1, timeout_s=30))
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    outage_then_answers(own_redis, lambda: Client(redis_url=own_redis.url).status(batch).complete)
+    thread.join(30)
+    assert len(outcome) == 1 and not isinstance(outcome[0], BaseException), outcome
+    assert outcome[0].complete and outcome[0].counts.done == 1
+
+
+def test_an_async_wait_rides_out_a_brief_redis_outage(own_redis: EmbeddedRedis) -> None:
+    client = Client(redis_url=own_redis.url)
+    batch, _ = client.submit(JOB)
+
+    async def run() -> Any:
+        aclient = AsyncClient(url=own_redis.url)
+        try:
+            waiting = asyncio.ensure_future(aclient.wait(batch, poll_s=0.1, timeout_s=30))
+            done = lambda: Client(redis_url=own_redis.url).status(batch).complete  # noqa: E731
+            await asyncio.to_thread(outage_then_answers, own_redis, done)
+            return await asyncio.wait_for(waiting, 30)
+        finally:
+            await aclient.aclose()
+
+    record = asyncio.run(run())
+    assert record.complete and record.counts.done == 1
+
+
+@pytest.mark.parametrize("timeout_s", [0.5, 1.5])
+def test_a_wait_on_an_unreachable_redis_raises_the_mapped_error_at_its_deadline(timeout_s: float) -> None:
+    url = down_url()
+    started = time.monotonic()
+    with pytest.raises(RedisUnavailableError) as caught:
+        Client(redis_url=url).wait("b1", timeout_s=timeout_s)
+    took = time.monotonic() - started
+    assert timeout_s - 0.05 <= took < timeout_s + 0.5  # retried until the deadline, never slept past it
+    assert_names_redis(caught.value, url)
+
+    async def run() -> None:
+        client = AsyncClient(url=url)
+        try:
+            await client.wait("b1", timeout_s=timeout_s)
+        finally:
+            await client.aclose()
+
+    started = time.monotonic()
+    with pytest.raises(RedisUnavailableError):
+        asyncio.run(run())
+    assert timeout_s - 0.05 <= time.monotonic() - started < timeout_s + 0.5
