@@ -16,18 +16,29 @@ from typing import Any
 from producer.client import BatchHandle, Client
 from producer.outages import Outage, async_store_call
 from producer.reads import answer_of, check_wait, custom_id_of, known_batch_id, known_custom_id, split_job_id
-from shared.conn import check_url, connect_async, redis_url
-from shared.errors import WaitTimeoutError
+from shared.conn import check_url, connect_async
+from shared.conn import redis_url as url_or_default
+from shared.errors import ConfigError, WaitTimeoutError
 from shared.job import Job
 from shared.keys import DEFAULT_PREFIX, INTERACTIVE, Keys
 from shared.store import BatchRecord, batch_record, queue_record_reads
 
 
 class AsyncClient:
-    """`AsyncClient(url=...)`: Client's submit, result, status, wait, cancel and retry, awaited; the rest on `.sync`."""
+    """`AsyncClient(redis_url=...)`, as `Client`: Client's submit, result, status, wait, cancel and retry, awaited;
+    the rest on `.sync`. `url=`, the older name of `redis_url=`, still works."""
 
-    def __init__(self, *, url: str | None = None, prefix: str = DEFAULT_PREFIX, **client_kw: Any) -> None:
-        url = check_url(redis_url(url))
+    def __init__(
+        self,
+        *,
+        redis_url: str | None = None,
+        url: str | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        **client_kw: Any,
+    ) -> None:
+        if redis_url is not None and url is not None and redis_url != url:
+            raise ConfigError("AsyncClient: give the Redis URL once, as redis_url= (url= is its older name)")
+        url = check_url(url_or_default(redis_url or url))
         self.sync = Client(redis_url=url, prefix=prefix, **client_kw)
         self.redis = connect_async(url)
         self.redis_shown = self.sync.redis_shown  # the same Redis

@@ -17,7 +17,7 @@ from redis.exceptions import ResponseError
 
 from producer.aio import AsyncClient
 from producer.client import Client
-from shared.errors import RedisCommandError, RedisUnavailableError, StoreError
+from shared.errors import ConfigError, RedisCommandError, RedisUnavailableError, StoreError
 from shared.keys import Keys
 from tests.fakes import FakeEngine
 from tests.worker_helpers import drain
@@ -82,7 +82,7 @@ def test_async_client_calls_raise_a_store_error_naming_the_url_when_redis_is_dow
     url = down_url()
 
     async def run() -> BaseException:
-        client = AsyncClient(url=url)
+        client = AsyncClient(redis_url=url)
         try:
             await ASYNC_CALLS[call](client)
         except Exception as exc:
@@ -152,7 +152,7 @@ def test_an_async_wait_rides_out_a_brief_redis_outage(own_redis: EmbeddedRedis) 
     batch, _ = client.submit(JOB)
 
     async def run() -> Any:
-        aclient = AsyncClient(url=own_redis.url)
+        aclient = AsyncClient(redis_url=own_redis.url)
         try:
             waiting = asyncio.ensure_future(aclient.wait(batch, poll_s=0.1, timeout_s=30))
             done = lambda: Client(redis_url=own_redis.url).status(batch).complete  # noqa: E731
@@ -176,7 +176,7 @@ def test_a_wait_on_an_unreachable_redis_raises_the_mapped_error_at_its_deadline(
     assert_names_redis(caught.value, url)
 
     async def run() -> None:
-        client = AsyncClient(url=url)
+        client = AsyncClient(redis_url=url)
         try:
             await client.wait("b1", timeout_s=timeout_s)
         finally:
@@ -186,3 +186,23 @@ def test_a_wait_on_an_unreachable_redis_raises_the_mapped_error_at_its_deadline(
     with pytest.raises(RedisUnavailableError):
         asyncio.run(run())
     assert timeout_s - 0.05 <= time.monotonic() - started < timeout_s + 0.5
+
+
+# ---- one keyword for the Redis URL ----------------------------------------------------------------------------
+
+
+def test_both_clients_take_the_redis_url_under_the_same_keyword(client: Client, redis_url: str) -> None:
+    batch, _ = client.submit(JOB)
+
+    async def status(**kw: str) -> Any:
+        aclient = AsyncClient(**kw)
+        try:
+            return await aclient.status(batch)
+        finally:
+            await aclient.aclose()
+
+    assert Client(redis_url=redis_url).status(batch).counts.total == 1
+    assert asyncio.run(status(redis_url=redis_url)).counts.total == 1
+    assert asyncio.run(status(url=redis_url)).counts.total == 1  # the older name still works
+    with pytest.raises(ConfigError, match="once"):
+        AsyncClient(redis_url=redis_url, url=down_url())
