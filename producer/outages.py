@@ -20,7 +20,7 @@ from shared.conn import store_error
 T = TypeVar("T")
 
 OUTAGE_S = 60.0  # how long a wait with no timeout rides out Redis being unreachable before it raises
-BACKOFF_BASE_S = 0.05  # the first retry of a wait's Redis call comes after 25-50 ms ...
+BACKOFF_BASE_S = 0.05  # the first retry of a wait's Redis call comes after 50-100 ms (base * 2, equal jitter) ...
 BACKOFF_CAP_S = 1.0  # ... doubling to 0.5-1 s: a restarted Redis is seen within a second
 
 
