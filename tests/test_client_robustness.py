@@ -99,7 +99,7 @@ def test_async_client_calls_raise_a_store_error_naming_the_url_when_redis_is_dow
 def test_a_command_redis_refuses_is_a_store_error_too(client: Client, redis: Redis) -> None:
     """Not only an outage: a reply that is an error (here a key some other writer gave another type)."""
     redis.set(Keys().workers(), "not a sorted set")
-    with pytest.raises(RedisCommandError, match="answered with an error") as caught:
+    with pytest.raises(RedisCommandError, match="holds another type of value") as caught:
         client.workers_seen()
     assert isinstance(caught.value.__cause__, ResponseError)
     assert f":{redis.connection_pool.connection_kwargs['port']}/" in str(caught.value)
