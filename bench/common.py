@@ -40,6 +40,7 @@ def write_config(
     quantization: str = "nf4",
     kev_new: int = 128,
     laya_new: int = 32,
+    max_input_tokens: int = 1024,
     separate_bases: bool = False,
     name: str = "models.toml",
     adapters: tuple[str, str] = ("adapter-kev", "adapter-laya"),
@@ -52,7 +53,7 @@ def write_config(
         kev_base, laya_base = 'base = "kev"\n', 'base = "laya"\n'
     else:
         head, kev_base, laya_base = f"[base]\n{base}\n", "", ""
-    limits = "max_input_tokens = 1024\nmax_new_tokens = {}\n"
+    limits = f"max_input_tokens = {max_input_tokens}\nmax_new_tokens = {{}}\n"
     text = (
         f'{head}[models.kev]\n{kev_base}adapter = "{adapters[0]}"\n{limits.format(kev_new)}\n'
         f'[models.laya]\n{laya_base}adapter = "{adapters[1]}"\n{limits.format(laya_new)}'

@@ -15,6 +15,13 @@ A separate `kevlaya worker` process (its default settings; only `--config`, `--d
 - openai: 300 OpenAI Batch lines (chat bodies);
 - mixed: 3,000 jobs of all the kinds above, shuffled.
 
+`--set edges` runs shapes beyond those under the seed's limits (Kev answers up to 512 tokens, Laya 64, prompts up
+to 1,024 tokens; `EDGE_LIMITS`): 96 Kev jobs asking for 512 new tokens, 400 choice jobs of 2-12 labels (one to
+five words) over prompts of 1-1,000 words, 400 Laya jobs half of them sampled (temperature, top_p, top_k mixed),
+1,200 Laya jobs of every prompt length and 1-64 new tokens (some with logprobs, escalating by the model's rule or
+below 0.5), 3,000 one-word prompts, and 2,000 of all those shuffled. They hold the issue's bar (0 OOM, the peak
+within the budget) on shapes no earlier tuning saw.
+
 Per workload: decisions/s (items / wall time from the first submit to `status --wait` returning; beside it the
 seconds the worker's batches spent in the engine, the rest being the CLI, Redis and the worker's own work), prompt and
 generated tokens/s (from the results' usage), the out-of-memory errors and graph captures the worker logged
@@ -54,6 +61,23 @@ WORDS = tuple(
     "need information car years debts loans incomes approved lower".split()
 )
 CHOICES = ["approve", "reject", "review"]
+# Labels of one to five words for the edge set's choice jobs (a choice's tokens all run after the prompt).
+WIDE_CHOICES = (
+    "approve",
+    "reject",
+    "review",
+    "approve with conditions",
+    "reject for missing income records",
+    "refer the case to a senior review",
+    "need more information",
+    "approve lower loan",
+    "decision",
+    "check history and debts",
+    "stable",
+    "clean",
+)
+# The seed's limits (Kev answers up to 512 tokens, Laya 64, prompts up to 1,024): the edge set's models.toml.
+EDGE_LIMITS = {"kev_new": 512, "laya_new": 64, "max_input_tokens": 1024}
 KEVLAYA = [sys.executable, "-c", "import sys; sys.argv[0] = 'kevlaya'; from producer.cli import main; main()"]
 MIB = 1024**2
 
@@ -114,6 +138,65 @@ def workloads(scale: float, seed: int = 7) -> dict[str, list[dict[str, Any]]]:
         "stream": stream,
         "openai": openai,
         "mixed": mixed,
+    }
+
+
+def edge_workloads(scale: float, seed: int = 11) -> dict[str, list[dict[str, Any]]]:
+    """Shapes the standard set does not hold, under the seed's limits (`EDGE_LIMITS`): every length the config
+    allows, many labels, heavy sampling, one-word prompts, all of them mixed. Each must run with 0 OOM and
+    within the budget like the standard ones."""
+    rng = random.Random(seed)
+
+    def n(count: int) -> int:
+        return max(4, int(count * scale))
+
+    def laya(i: int, prefix: str, low: int, high: int) -> dict[str, Any]:
+        return {"custom_id": f"{prefix}{i}", "model": "laya", "prompt": _prompt(rng, i, low, high), "truncate": True}
+
+    kev_max = [
+        {**laya(i, "K", 300, 1100), "model": "kev", "max_new_tokens": EDGE_LIMITS["kev_new"], "escalate": False}
+        for i in range(n(96))
+    ]
+    choices_wide = [
+        {**laya(i, "W", 1, 1000), "choices": rng.sample(WIDE_CHOICES, rng.randint(2, len(WIDE_CHOICES)))}
+        for i in range(n(400))
+    ]
+    sampled_half = [
+        {
+            **laya(i, "S", 20, 400),
+            **(
+                {
+                    "temperature": rng.choice((0.3, 0.7, 1.0, 1.5)),
+                    "top_p": rng.choice((1.0, 0.9, 0.5)),
+                    "top_k": rng.choice((0, 1, 20, 200)),
+                    "seed": i,
+                }
+                if i % 2
+                else {}
+            ),
+            "escalate": False,
+        }
+        for i in range(n(400))
+    ]
+    lengths = [
+        {
+            **laya(i, "L", 1, 1000),
+            "max_new_tokens": rng.randint(1, EDGE_LIMITS["laya_new"]),
+            "escalate": rng.choice((False, 0.5, None)),
+            **({"logprobs": True, "top_logprobs": rng.randint(0, 5)} if i % 7 == 0 else {}),
+        }
+        for i in range(n(1200))
+    ]
+    tiny = [{**laya(i, "T", 0, 5), "max_new_tokens": 8, "escalate": False} for i in range(n(3000))]
+    pool = [*kev_max, *choices_wide, *sampled_half, *lengths, *tiny]
+    mixed = [{**job, "custom_id": f"A{i}"} for i, job in enumerate(rng.sample(pool, min(len(pool), n(2000))))]
+    return {
+        "edge-kev-max": kev_max,
+        "edge-choices-wide": choices_wide,
+        "edge-sampled-half": sampled_half,
+        "edge-lengths": lengths,
+        "edge-tiny": tiny,
+        "edge-mixed": mixed,
     }
 
 
@@ -265,7 +348,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--memory-budget", default=None, help="passed to the worker (default: the worker's own)")
     parser.add_argument("--shape", default=None, help="model shape (default: qwen2.5-1.5b on cuda, tiny on cpu)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload's size")
-    parser.add_argument("--only", default="", help="comma-separated workloads (default: all)")
+    parser.add_argument(
+        "--set",
+        dest="workload_set",
+        choices=("standard", "edges"),
+        default="standard",
+        help="the issue's workloads, or shapes beyond them under the seed's limits (Kev 512 new tokens)",
+    )
+    parser.add_argument("--only", default="", help="comma-separated workloads (default: all of the set)")
     parser.add_argument(
         "--repeat", type=int, default=1, help="run the workloads this many times in turn on one worker (rows name#N)"
     )
@@ -285,8 +375,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     shape = args.shape or ("qwen2.5-1.5b" if args.device.startswith("cuda") else "tiny")
     root = build_models(shape, args.device)
-    config = write_config(root, device=args.device, name="mixed.toml")
-    chosen = workloads(args.scale)
+    if args.workload_set == "edges":
+        config = write_config(root, device=args.device, name="mixed-edges.toml", **EDGE_LIMITS)
+        chosen = edge_workloads(args.scale)
+    else:
+        config = write_config(root, device=args.device, name="mixed.toml")
+        chosen = workloads(args.scale)
     if args.only:
         chosen = {k: v for k, v in chosen.items() if k in set(args.only.split(","))}
     report: dict[str, Any] = {"shape": shape, "device": args.device, "budget": args.memory_budget, "workloads": {}}
@@ -343,6 +437,8 @@ def _row(name: str, r: dict[str, Any], args: argparse.Namespace, argv: list[str]
         figures += f", least allocator headroom {r['min_headroom_mib']} MiB, {r['alloc_retries']} allocator retries"
     hardware = f"{args.device} budget {args.memory_budget or 'GPU total - 512 MiB (worker default)'}"
     changed = " + `--pointwise-kernels`" if args.pointwise_kernels else ""
+    if args.workload_set == "edges":
+        changed += " (models.toml: Kev 512 / Laya 64 new tokens, prompts up to 1,024 tokens)"
     if args.take_ahead != "auto":
         changed += f" + `--take-ahead {args.take_ahead}`"
     model = f"{args.shape or 'default'} shape NF4, `kevlaya worker` defaults (+ `--memory-budget` if given){changed}"
