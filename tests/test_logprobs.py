@@ -122,6 +122,37 @@ def test_a_batch_without_logprobs_runs_the_graph_it_always_did(engines: dict[str
     assert {key.logprob_slots for key in decoder.graphs.entries} == {0, 1}
 
 
+def test_rows_that_ask_normalise_only_their_own_logits(
+    engines: dict[str, TokenRecorder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch with rows reporting logprobs chooses every row's token the way a batch without them does (the
+    greedy choice, a chunk of rows in float32 at a time, or the fused kernel), and converts only the asking slots'
+    logits: converting every row's at once, the plan set aside float32 logits for every row of such a take."""
+    import worker.fastpath.decoder as decoder_module
+    import worker.fastpath.logprobs as logprobs_module
+
+    static = engines["static"]
+    chosen: list[int] = []
+    recorded: list[int] = []
+    greedy, record = decoder_module.greedy_choice, logprobs_module.LogprobState.record
+
+    def spy_greedy(logits: torch.Tensor, end_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        chosen.append(logits.shape[0])
+        return greedy(logits, end_id)
+
+    def spy_record(self: object, logits: torch.Tensor, token: torch.Tensor, step: torch.Tensor) -> None:
+        recorded.append(logits.shape[0])
+        record(self, logits, token, step)
+
+    monkeypatch.setattr(decoder_module, "greedy_choice", spy_greedy)
+    monkeypatch.setattr(logprobs_module.LogprobState, "record", spy_record)
+    jobs = [asking("a", top=2), *(Job(custom_id=f"g{i}", model="laya", prompt=PROMPTS[i]) for i in range(1, 4))]
+    out = static.run(jobs)
+    assert chosen and recorded  # every step's choice went the greedy way, the first token's included
+    assert out[0].logprobs and all(o.logprobs is None for o in out[1:])
+    check_against_reference(static, jobs[0], out[0].logprobs)
+
+
 def test_logprobs_round_trip_through_the_result_record(engine: TokenRecorder) -> None:
     (out,) = engine.run([asking("r", top=2)])
     assert out.logprobs

@@ -44,9 +44,10 @@ class LogprobState:
         index[: len(rows)] = torch.tensor(rows, dtype=torch.long)
         self.index.copy_(index)
 
-    def record(self, logp: torch.Tensor, token: torch.Tensor, step: torch.Tensor) -> None:
-        """Step `step`'s record from the batch's log-softmax (rows, vocab) and the tokens the rows emitted."""
-        mine = logp.index_select(0, self.index)
+    def record(self, logits: torch.Tensor, token: torch.Tensor, step: torch.Tensor) -> None:
+        """Step `step`'s record from the batch's logits (rows, vocab) and the tokens the rows emitted: only the
+        slots' rows converted to float32 and normalised (row by row, the numbers the whole batch's would give)."""
+        mine = logits.index_select(0, self.index).float().log_softmax(dim=-1)
         values, ids = mine.topk(TOP_LOGPROBS, dim=-1)
         chosen = mine.gather(1, token.index_select(0, self.index).unsqueeze(1))
         self.chosen.index_copy_(1, step, chosen)
