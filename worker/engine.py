@@ -216,7 +216,7 @@ class Engine:
     ) -> BatchPlan:
         """How many rows of this model fit the memory budget (default: its full input and output limits), with
         `sampled_rows` of them sampled (their draws need memory of their own) and `logprob_rows` reporting
-        log-probabilities (their choice converts every row's logits to float32 at once); with `scoring`, rows
+        log-probabilities (each in a slot of its own, normalising its row's logits in float32); with `scoring`, rows
         scoring `new_tokens` choice tokens inside the loop's prefill (no cache of their own); with `one_adapter`,
         rows all on one adapter (their prefill merges its LoRA in place: one layer's weights at a time).
 
