@@ -42,9 +42,11 @@ def test_a_row_names_the_worker_settings_it_changed() -> None:
 
     def model_cell(**changed: object) -> str:
         settings = {"device": "cuda", "memory_budget": "6GiB", "shape": None, "nightly_tokens_per_s": None}
-        settings |= {"pointwise_kernels": False, "take_ahead": "auto", **changed}
+        settings |= {"pointwise_kernels": False, "take_ahead": "auto", "workload_set": "standard", **changed}
         return _row("choices", figures, argparse.Namespace(**settings), []).split(" | ")[2]
 
     assert "--take-ahead" not in model_cell() and "--pointwise-kernels" not in model_cell()
     assert model_cell(take_ahead="off").endswith("+ `--take-ahead off`")
     assert "`--pointwise-kernels` + `--take-ahead on`" in model_cell(take_ahead="on", pointwise_kernels=True)
+    assert "Kev 512 / Laya 64 new tokens" in model_cell(workload_set="edges")  # the edge set's own models.toml
+    assert "Kev 512" not in model_cell()

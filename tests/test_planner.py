@@ -160,9 +160,9 @@ def test_memory_already_held_is_planned_around(engine: Engine) -> None:
 def test_sampled_rows_are_planned_as_a_few_sampler_slots(engine: Engine) -> None:
     """Sampled rows draw in sampler slots (their count bucketed), a fixed cost: a plan with a few of them keeps
     nearly all its rows, and stays inside the budget."""
-    from worker.fastpath import row_bucket
     from worker.fastpath.decoder import sampler_slots
-    from worker.memory import LOGPROB_BYTES_PER_VOCAB, SAFETY_FACTOR
+    from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
+    from worker.memory import SAFETY_FACTOR
 
     engine.memory.total_bytes = engine.memory.resident_bytes + RESERVE_BYTES + ROOM
     try:
@@ -175,11 +175,11 @@ def test_sampled_rows_are_planned_as_a_few_sampler_slots(engine: Engine) -> None
         assert greedy.bytes_per_row == sampled.bytes_per_row
         assert 0 < sampled.max_rows <= greedy.max_rows
         assert sampled.max_rows * sampled.bytes_per_row <= sampled.free_bytes
-        # Rows reporting logprobs normalise only their own slots' logits: a fixed cost of their bucketed slots.
-        reporting = engine.plan("kev", input_tokens=64, new_tokens=12, logprob_rows=3)
-        slots = row_bucket(3) * shape.vocab * LOGPROB_BYTES_PER_VOCAB
-        assert reporting.bytes_per_row == greedy.bytes_per_row
-        assert greedy.free_bytes - reporting.free_bytes == int(slots * SAFETY_FACTOR)
+        # Rows reporting logprobs are planned as though every row's logits went to float32: more per row.
+        reporting = engine.plan("kev", input_tokens=64, new_tokens=12, sampled_rows=1, logprob_rows=3)
+        chunk = int(shape.choice_chunk_bytes(CHOICE_CHUNK_ROWS) * SAFETY_FACTOR)
+        assert reporting.bytes_per_row > greedy.bytes_per_row
+        assert reporting.free_bytes > greedy.free_bytes + chunk - 2 * sampler_slots(1) * shape.sampling_bytes_per_slot()
     finally:
         engine.memory.total_bytes = None
 

@@ -41,12 +41,9 @@ STATE_BYTES_PER_CACHE_TOKEN = 8 + 4 + 1
 # A scored choice token's log-probability, held on the device until the take's one read-back (float32): what a
 # row scored inside the prefill keeps past its group.
 PICKED_BYTES_PER_TOKEN = 4
-# The first token's choice where the token choice is not chunked (the model-forward path's plan), per row and
-# vocabulary entry: the logits' float32 copy, their log-softmax and the finiteness flags.
+# The first token's choice for a take with logprob rows, per row and vocabulary entry: the logits' float32 copy,
+# their log-softmax and the finiteness flags.
 FIRST_CHOICE_BYTES_PER_VOCAB = 4 + 4 + 1
-# A logprob slot's record of a step (worker/fastpath/logprobs.py), per vocabulary entry: its row's logits gathered
-# (at most 4 bytes an entry), converted to float32, and their log-softmax.
-LOGPROB_BYTES_PER_VOCAB = 4 + 4 + 4
 
 
 def parse_bytes(text: str) -> int:
@@ -281,7 +278,7 @@ def plan_batch(
     kv_pool_bytes: int = 0,
     graph_rows: int = 0,
     graph_row_slack: float = 1.0,
-    logprob_slots: int = 0,
+    logprob_rows: int = 0,
     scored_in_prefill: bool = False,
     one_adapter: bool = False,
 ) -> BatchPlan:
@@ -297,9 +294,7 @@ def plan_batch(
     ~12% of their rows).
     `sampler_slots`: the batch's sampled rows, bucketed, each drawing over the vocabulary in every step.
     `choice_chunk_rows`: the static loop's token choice, converting that many rows' logits to float32 at a time
-    (sampled rows' draws convert only their slots' rows, and so do the rows reporting logprobs).
-    `logprob_slots`: the slots of the rows reporting logprobs (bucketed), each normalising its row's logits in
-    float32 every step: a fixed cost like the sampler slots', not a cost of every row.
+    (sampled rows' draws convert only their slots' rows; a batch with `logprob_rows` converts them all at once).
     `kv_pool_bytes`: the static loop's KV pool as already allocated, part of `resident_bytes`. A take whose cache
     it holds reuses the whole pool (its rows' KV is no new memory, but neither is the rest of the pool free); a
     larger take replaces it. Planned without the pool, a take of 192 rows beside a 256-row pool ran out of
@@ -307,7 +302,12 @@ def plan_batch(
     first was planned at 0 rows.
     `graph_rows`: the most rows of a decode graph already captured. The graphs share one memory pool, part of
     `resident_bytes`, that holds a greedy step's temporaries for that many rows: counted again per row, they cut
-    takes beside a large pool to a third (64 rows where 156 fit, on the H200).
+    takes beside a large pool to a third (64 rows where 156 fit, on the H200). A take with logprob rows gets no
+    such credit, and each row pays float32 logits and the first choice's float32 work, as when the step
+    converted every row's logits: it now converts only the reporting rows' (worker/fastpath/logprobs.py), but
+    planned by the slots alone, 88-row Laya takes at 1,024-token prompts ran out of memory on the H100 under a
+    6 GiB budget (the allocator's free space split among live blocks, twice in each of two `bench mixed --set
+    edges` workloads): the per-row figure is kept as that margin until fragmentation is planned for.
     `graph_row_slack`: a captured graph of up to this many times a take's rows may serve it (its extra rows
     idle along, their first-token logits allocated too).
     `scored_in_prefill`: rows whose `new_tokens` choice tokens are scored inside the loop's own prefill
@@ -320,7 +320,6 @@ def plan_batch(
     free = budget_bytes - resident_bytes - reserve_bytes
     # Sampled rows draw in a fixed number of slots (not per row of the batch): a fixed cost, with the margin.
     free -= int(sampler_slots * shape.sampling_bytes_per_slot() * SAFETY_FACTOR)
-    free -= int(logprob_slots * shape.vocab * LOGPROB_BYTES_PER_VOCAB * SAFETY_FACTOR)
     kv = shape.kv_bytes_per_token(dtype_bytes)
     if prefill_chunk_tokens is None:
         per_row = (input_tokens + new_tokens) * kv + input_tokens * shape.prefill_bytes_per_token(dtype_bytes)
@@ -365,7 +364,7 @@ def plan_batch(
         cache = cache_tokens or input_tokens + new_tokens
         kv_row = cache * kv
         exact = kv_row + cache * STATE_BYTES_PER_CACHE_TOKEN + int(shape.vocab * dtype_bytes * graph_row_slack)
-        chunked = choice_chunk_rows or None
+        chunked = choice_chunk_rows if choice_chunk_rows and not logprob_rows else None
         if chunked:
             free -= int(shape.choice_chunk_bytes(chunked) * SAFETY_FACTOR)
         else:

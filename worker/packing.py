@@ -19,6 +19,17 @@ log = logging.getLogger("kevlaya.engine")
 Plan = Callable[..., BatchPlan]  # Engine.plan(model, *, input_tokens, new_tokens, sampled_rows, logprob_rows, ...)
 
 
+# A logprob slot (worker/fastpath/logprobs.py) holds its row's log-softmax and top-k's workspace, about 2 fp32
+# vectors over the vocabulary; a sampler slot about 12 (ModelShape.sampling_bytes_per_slot). The plan counts
+# logprob rows as sampler slots at that ratio, rounded up (no logprob rows: nothing).
+LOGPROB_ROWS_PER_SAMPLER_SLOT = 6
+
+
+def logprob_draws(rows: int) -> int:
+    """Logprob rows as the sampler slots the memory plan reserves for them."""
+    return -(-rows // LOGPROB_ROWS_PER_SAMPLER_SLOT)
+
+
 def pack(
     items: list[Item], *, scoring: bool, on_loop: bool, plan: Plan, choice_tokens: Callable[..., int]
 ) -> Iterator[list[Item]]:
@@ -66,13 +77,13 @@ def pack(
         return memo[key]
 
     def figures_of(rows: list[Item]) -> tuple[int, int, int, int, int]:
-        """(most choice tokens, most new tokens, sampled rows, logprob rows, most choices) of these rows."""
+        """(most choice tokens, most new tokens, sampler draws, logprob rows, most choices) of these rows."""
         reporting = sum(not scoring and it.job.logprobs for it in rows)
         sampled_rows = sum(not scoring and it.job.temperature > 0 for it in rows)
         return (
             max(choice_tokens(it.job) for it in rows) if on_loop else 0,
             max(it.max_new for it in rows),
-            sampled_rows,
+            sampled_rows + logprob_draws(reporting),
             reporting,
             max(max(1, len(it.job.choices or ())) for it in rows),
         )
@@ -108,7 +119,7 @@ def pack(
         wanted = len(current) + len(ordered) - index  # the rows this sub-batch could still take
         item_span = choice_tokens(item.job) if on_loop else 0
         reporting = asking + (not scoring and item.job.logprobs)
-        draws = sampled + (not scoring and item.job.temperature > 0)
+        draws = sampled + (not scoring and item.job.temperature > 0) + logprob_draws(reporting)
         per_item = max(1, len(item.job.choices or ()))
         figures = (max(span, item_span), max(new, item.max_new), draws, reporting, per_item)
         rows = max(1, planned(longest, *figures, rows_wanted=wanted))

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from worker.fastpath import ROW_BUCKETS, StaticDecoder, length_bucket, row_bucket
+from worker.fastpath import ROW_BUCKETS, StaticDecoder, length_bucket
 from worker.fastpath.decoder import sampler_slots
 from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
 from worker.memory import (
@@ -235,7 +235,7 @@ class MemoryBudget:
             kv_pool_bytes=pool_bytes,
             graph_rows=graph_rows,
             graph_row_slack=decoder.graphs.reuse_slack if decoder else 1.0,
-            logprob_slots=row_bucket(logprob_rows) if logprob_rows and decoder else 0,
+            logprob_rows=logprob_rows,
             scored_in_prefill=scoring and decoder is not None,
             one_adapter=one_adapter,
         )

@@ -129,9 +129,10 @@ def choose_tokens(state: State, logits: torch.Tensor) -> None:
     """Greedy choice (or each sampled row's draw) and bookkeeping, all on the device (no host sync): as HF's
     greedy search does it -- argmax of the float32 logits (converted a chunk of rows at a time), finished rows
     emit padding -- plus the chosen token's log-probability and non-finite rows forced to end (flagged, so their
-    batch-mates carry on). Rows reporting logprobs are recorded from their own slots' logits: one such row
-    converted every row's logits to float32 at once, which the plan then set aside for every row of the take
-    (a 64-row take of Kev's 512-token answers ran as 32 + 32, two whole decodes, for one reporting row)."""
+    batch-mates carry on). Rows reporting logprobs are recorded from their own slots' logits (converting every
+    row's logits to float32 at once for them held ~3 float32 vocabulary vectors a row in each step; the plan
+    still sets that aside, see `worker.memory.plan_batch`), and every row's token is the one it gets in a
+    batch without them."""
     token, logprob, finite = greedy_choice(logits, state.end_id)
     if state.sampling is not None:
         # Sampled rows draw from their own distribution (greedy rows keep the argmax above; only the sampler
