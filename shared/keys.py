@@ -10,6 +10,8 @@ import hashlib
 import re
 from dataclasses import dataclass
 
+from shared.errors import ConfigError
+
 DEFAULT_PREFIX = "kevlaya:"
 
 # What a batch id may be: it becomes part of Redis keys and RQ job ids, which the worker checks against
@@ -59,6 +61,12 @@ class Keys:
     own `rq:queue:` around them."""
 
     prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        # Empty, kevlaya's keys (`batches`, `events`, `w:...`) would sit bare among the database's other keys,
+        # and a queue named after a model would be the model's bare name. The CLI's --prefix says the same.
+        if not isinstance(self.prefix, str) or not self.prefix.strip():
+            raise ConfigError(f"prefix {self.prefix!r}: give a non-empty prefix, e.g. {DEFAULT_PREFIX!r} (the default)")
 
     def queue_name(self, model: str, lane: str = BULK) -> str:
         return f"{self.prefix}{model}" if lane == BULK else f"{self.prefix}{model}:{lane}"

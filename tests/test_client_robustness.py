@@ -206,3 +206,14 @@ def test_both_clients_take_the_redis_url_under_the_same_keyword(client: Client, 
     assert asyncio.run(status(url=redis_url)).counts.total == 1  # the older name still works
     with pytest.raises(ConfigError, match="once"):
         AsyncClient(redis_url=redis_url, url=down_url())
+
+
+@pytest.mark.parametrize("prefix", ["", "   "])
+def test_an_empty_prefix_is_refused_from_python_as_from_the_cli(prefix: str) -> None:
+    """`--prefix ''` is refused by the CLI; the library refuses it too, before any connection, in one line: an
+    empty prefix put kevlaya's keys (`batches`, `events`) bare among the database's other keys."""
+    for make in (Client, AsyncClient):
+        with pytest.raises(ConfigError, match="give a non-empty prefix"):
+            make(redis_url="redis://127.0.0.1:1/0", prefix=prefix)
+    with pytest.raises(ConfigError):
+        Keys(prefix)
