@@ -86,6 +86,11 @@ def _prompt(rng: random.Random, i: int, low: int, high: int) -> str:
     return f"Case {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
 
 
+def _shuffled(rng: random.Random, pool: list[dict[str, Any]], count: int, prefix: str) -> list[dict[str, Any]]:
+    """`count` jobs drawn from `pool` without repeats (all where it holds fewer), each under a new custom id."""
+    return [{**job, "custom_id": f"{prefix}{i}"} for i, job in enumerate(rng.sample(pool, min(len(pool), count)))]
+
+
 def workloads(scale: float, seed: int = 7) -> dict[str, list[dict[str, Any]]]:
     rng = random.Random(seed)
 
@@ -129,7 +134,7 @@ def workloads(scale: float, seed: int = 7) -> dict[str, list[dict[str, Any]]]:
         for i in range(n(300))
     ]
     pool = [*greedy, *choices, *sampled, *kev_long, *stream]
-    mixed = [{**job, "custom_id": f"m{i}"} for i, job in enumerate(rng.sample(pool, min(len(pool), n(3000))))]
+    mixed = _shuffled(rng, pool, n(3000), "m")
     return {
         "greedy": greedy,
         "choices": choices,
@@ -189,7 +194,7 @@ def edge_workloads(scale: float, seed: int = 11) -> dict[str, list[dict[str, Any
     ]
     tiny = [{**laya(i, "T", 0, 5), "max_new_tokens": 8, "escalate": False} for i in range(n(3000))]
     pool = [*kev_max, *choices_wide, *sampled_half, *lengths, *tiny]
-    mixed = [{**job, "custom_id": f"A{i}"} for i, job in enumerate(rng.sample(pool, min(len(pool), n(2000))))]
+    mixed = _shuffled(rng, pool, n(2000), "A")
     return {
         "edge-kev-max": kev_max,
         "edge-choices-wide": choices_wide,
