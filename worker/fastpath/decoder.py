@@ -51,6 +51,7 @@ from worker.fastpath.graphs import (
     GraphKey,
     KVPool,
     State,
+    describe,
     length_bucket,
     row_bucket,
 )
@@ -296,9 +297,8 @@ class StaticDecoder:
                 self.phase_s["captures"] += 1
                 # One line per capture (~0.5 s each on the H200): a stream of shapes causing a capture storm shows.
                 log.info(
-                    "decode: captured a graph for %d rows x %d tokens (%s%s; %d captured so far, %d kept)",
-                    key.rows, key.length, "+".join(key.adapters) or "base", ", sampling" if key.sampled else "",
-                    self.graphs.captures, len(self.graphs.entries) + 1,
+                    "decode: captured a graph for %d rows x %d tokens (%s; %d captured so far, %d kept)",
+                    key.rows, key.length, describe(key), self.graphs.captures, len(self.graphs.entries) + 1,
                 )  # fmt: skip
             entry = Entry(state=state, graph=graph)
             self.graphs.put(key, entry)

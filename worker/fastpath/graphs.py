@@ -72,6 +72,20 @@ class GraphKey:
         return self.samplers > 0
 
 
+def describe(key: GraphKey) -> str:
+    """A key's parts besides rows and length, for the capture log: a stream that keeps capturing shows which
+    part of its takes differs (the adapters, sampler or logprob slots, the stop ids)."""
+    parts = ["+".join(key.adapters) or "base"]
+    if key.mixed:
+        parts.append("mixed")
+    if key.samplers:
+        parts.append(f"{key.samplers} sampler slots{' filtered' if key.filtered else ''}")
+    if key.logprob_slots:
+        parts.append(f"{key.logprob_slots} logprob slots")
+    parts.append(f"stops {list(key.ends.stops)}")
+    return ", ".join(parts)
+
+
 class State:
     """Every tensor one graph reads and writes (a captured graph reads them by address, so it owns them all);
     the KV tensors are views of the shared pool for its rows x length."""
