@@ -181,6 +181,32 @@ def test_a_captured_graph_a_little_longer_serves_a_batch_the_pool_already_holds(
     assert decoder.graphs.reusable(smaller, lambda rows, length: False) == smaller  # the pool must hold it
 
 
+def test_a_captured_graph_with_idle_sampler_or_logprob_slots_serves_a_greedy_batch(
+    pair: tuple[TokenRecorder, TokenRecorder],
+) -> None:
+    """With graphs, a greedy batch runs in an entry captured for a few sampled rows, or for a few rows asking for
+    logprobs, rather than capturing its own: the idle slots change none of its tokens. Beyond `idle_slots` a
+    batch wanting none gets its own entry."""
+    eager = pair[0]
+    static = TokenRecorder(eager.config, device="cpu", decode="static", bases=eager.bases)
+    decoder = next(iter(static.decoders.values()))
+    decoder.graphs.idle_slots = 8
+    greedy = batch("laya", 6)
+    sampled = [*greedy[:5], replace(greedy[5], temperature=0.9, seed=5)]
+    static.run(sampled)
+    (entry,) = decoder.graphs.entries
+    assert entry.samplers == 8
+    assert_same(eager, static, greedy)
+    assert list(decoder.graphs.entries) == [entry]  # served by the sampled entry, its slots idle
+    asking = [*greedy[:5], replace(greedy[5], logprobs=True)]
+    static.run(asking)
+    assert len(decoder.graphs.entries) == 2
+    logprob_entry = next(k for k in decoder.graphs.entries if k.logprob_slots)
+    assert decoder.graphs.reusable(replace(logprob_entry, logprob_slots=0), decoder.pool.fits) == logprob_entry
+    decoder.graphs.idle_slots = 0
+    assert decoder.graphs.reusable(replace(entry, samplers=0), decoder.pool.fits) == replace(entry, samplers=0)
+
+
 def test_deadline_fails_rows_it_cut_short(tiny_models: Path) -> None:
     engine = Engine(tiny_config(tiny_models, "none", kev_new=400), device="cpu", decode="static")
     jobs = batch("kev", 4)

@@ -29,6 +29,11 @@ ROW_BUCKETS = (1, 2, 4, 8, *range(16, 128, 8), *range(128, 257, 16), 288, 320, 3
 LENGTH_QUANTUM = 64  # cache lengths are multiples of this (aligned SDPA masks, few distinct graphs)
 MAX_GRAPHS = 12  # captured graphs kept (least recently used dropped); each pins its static buffers
 ROW_SLACK = 1.5  # a captured graph of up to this many times a batch's rows serves it (see `GraphCache.reusable`)
+# A captured graph with up to this many idle sampler (or logprob) slots serves a batch that needs none (or few):
+# an idle slot's draw or record is one row's work over the vocabulary, discarded, where a capture costs 0.2-0.5 s
+# and a mix of greedy, sampled and logprob takes otherwise kept a graph per kind (51 captures in 61 s on the
+# H100's edge-mixed workload, twenty-first session). Equal to the fewest sampler slots a sampled take gets.
+IDLE_SLOTS = 8
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values), each (rows, kv_heads, length, head_dim)
 
@@ -181,6 +186,7 @@ class GraphCache:
         # A captured graph of up to this many times a batch's cache length serves it. A stream of prompts of many
         # lengths otherwise captured a graph for every 64-token length bucket (29 captures in 81 s on the H200).
         self.length_slack = 1.25 if use_graphs else 1.0
+        self.idle_slots = IDLE_SLOTS if use_graphs else 0  # (see `IDLE_SLOTS`; without graphs nothing is saved)
         self.captures = 0  # graphs captured so far (a benchmark figure)
         # One side stream for every capture, as `torch.cuda.graph` keeps one: cuBLAS keeps a workspace per
         # (handle, stream) for the life of the process, so a stream per capture leaked one workspace each.
@@ -188,23 +194,29 @@ class GraphCache:
 
     def reusable(self, key: GraphKey, fits: Callable[[int, int], bool]) -> GraphKey:
         """An already captured graph's key that can serve this batch instead of a new capture: the same key but
-        for up to 2x the sampler (and logprob) slots, up to `reuse_slack` x the rows (its extra rows idle along)
-        and up to `length_slack` x the cache length (the extra slots stay masked), whose rows x length the KV pool
-        already holds (`fits`: no memory beyond what is allocated, so no plan is exceeded). A capture costs ~0.5 s
-        on the H200; a step of 256 rows costs ~5% more than one of 224, and a few masked columns cost the
-        attention almost nothing."""
+        for more sampler (and logprob) slots (`_slots_serve`: idle slots draw and record nothing the batch reads,
+        so greedy rows stay greedy), up to `reuse_slack` x the rows (its extra rows idle along) and up to
+        `length_slack` x the cache length (the extra slots stay masked), whose rows x length the KV pool already
+        holds (`fits`: no memory beyond what is allocated, so no plan is exceeded). A capture costs ~0.5 s on the
+        H200; a step of 256 rows costs ~5% more than one of 224, and a few masked columns cost the attention
+        almost nothing. Of several, the smallest serves."""
         fitting = [
             k
             for k in self.entries
             if replace(k, rows=key.rows, length=key.length, samplers=key.samplers, logprob_slots=key.logprob_slots)
             == key
             and key.rows <= k.rows <= key.rows * self.reuse_slack
-            and key.samplers <= k.samplers <= 2 * key.samplers  # spare sampler slots idle (greedy stays greedy)
-            and key.logprob_slots <= k.logprob_slots <= 2 * key.logprob_slots
+            and self._slots_serve(key.samplers, k.samplers)
+            and self._slots_serve(key.logprob_slots, k.logprob_slots)
             and key.length <= k.length <= key.length * self.length_slack
             and fits(k.rows, k.length)
         ]
-        return min(fitting, key=lambda k: (k.rows * k.length, k.rows), default=key)
+        return min(fitting, key=lambda k: (k.rows * k.length, k.rows, k.samplers, k.logprob_slots), default=key)
+
+    def _slots_serve(self, wanted: int, captured: int) -> bool:
+        """Whether a graph's `captured` sampler (or logprob) slots serve a batch wanting `wanted`: enough, and
+        no more than twice as many or `idle_slots`, whichever is more."""
+        return wanted <= captured <= max(2 * wanted, self.idle_slots)
 
     def get(self, key: GraphKey) -> Entry | None:
         entry = self.entries.get(key)
