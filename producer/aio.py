@@ -13,10 +13,12 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
+from redis.asyncio import Redis as AsyncRedis
+
 from producer.client import BatchHandle, Client
 from producer.outages import Outage, async_store_call
 from producer.reads import answer_of, check_wait, custom_id_of, known_batch_id, known_custom_id, split_job_id
-from shared.conn import check_url, connect_async
+from shared.conn import check_url, connect_async, connect_like
 from shared.conn import redis_url as url_or_default
 from shared.errors import ConfigError, WaitTimeoutError
 from shared.job import Job
@@ -25,22 +27,33 @@ from shared.store import BatchRecord, batch_record, queue_record_reads
 
 
 class AsyncClient:
-    """`AsyncClient(redis_url=...)`, as `Client`: Client's submit, result, status, wait, cancel and retry, awaited;
-    the rest on `.sync`. `url=`, the older name of `redis_url=`, still works."""
+    """`AsyncClient(redis_url=...)` or `AsyncClient(redis=<a redis.asyncio.Redis>)`, as `Client`: Client's submit,
+    result, status, wait, cancel and retry, awaited; the rest on `.sync`. `url=`, the older name of `redis_url=`,
+    still works. Given `redis=`, the synchronous half (`.sync`, which submits) is opened to that client's server,
+    database and credentials (`shared.conn.connect_like`): the two halves always reach the same Redis."""
 
     def __init__(
         self,
         *,
+        redis: AsyncRedis | None = None,
         redis_url: str | None = None,
         url: str | None = None,
         prefix: str = DEFAULT_PREFIX,
         **client_kw: Any,
     ) -> None:
-        if redis_url is not None and url is not None and redis_url != url:
-            raise ConfigError("AsyncClient: give the Redis URL once, as redis_url= (url= is its older name)")
-        url = check_url(url_or_default(redis_url or url))
-        self.sync = Client(redis_url=url, prefix=prefix, **client_kw)
-        self.redis = connect_async(url)
+        if redis is not None:
+            if redis_url is not None or url is not None:
+                raise ConfigError("AsyncClient: give redis= (a redis.asyncio.Redis) or redis_url=, not both")
+            self.sync = Client(redis=connect_like(redis), prefix=prefix, **client_kw)
+            self.redis = redis
+            self._own_redis = False  # the caller's connection: it closes it, not aclose()
+        else:
+            if redis_url is not None and url is not None and redis_url != url:
+                raise ConfigError("AsyncClient: give the Redis URL once, as redis_url= (url= is its older name)")
+            url = check_url(url_or_default(redis_url or url))
+            self.sync = Client(redis_url=url, prefix=prefix, **client_kw)
+            self.redis = connect_async(url)
+            self._own_redis = True
         self.redis_shown = self.sync.redis_shown  # the same Redis
         self.keys = Keys(prefix)
 
@@ -103,5 +116,7 @@ class AsyncClient:
             await asyncio.sleep(poll_s if deadline is None else min(poll_s, max(deadline - time.monotonic(), 0.0)))
 
     async def aclose(self) -> None:
-        await self.redis.aclose()
+        """Close the connections this client opened (a `redis=` given to it stays open: it is the caller's)."""
+        if self._own_redis:
+            await self.redis.aclose()
         self.sync.redis.close()

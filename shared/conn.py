@@ -19,7 +19,9 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from redis import Redis
 from redis import exceptions as redis_exceptions
 from redis.asyncio import Redis as AsyncRedis
-from redis.connection import SSLConnection
+from redis.asyncio import connection as async_connection
+from redis.connection import Connection as PlainConnection
+from redis.connection import ConnectionPool, SSLConnection, UnixDomainSocketConnection
 
 from shared.errors import ConfigError, RedisCommandError, RedisUnavailableError, StoreError
 from shared.wrongtype import is_wrong_type, key_named
@@ -100,11 +102,7 @@ def sentinel_target(url: str) -> SentinelTarget:
 
 def connect(url: str | None = None, *, socket_timeout_s: float | None = 30.0) -> Redis:
     url = check_url(redis_url(url))
-    options: dict[str, Any] = {
-        "socket_timeout": socket_timeout_s,
-        "socket_connect_timeout": CONNECT_TIMEOUT_S,
-        "health_check_interval": 15,
-    }
+    options = _sync_options(socket_timeout_s)
     if urlsplit(url).scheme == SENTINEL_SCHEME:
         from redis.sentinel import Sentinel
 
@@ -126,6 +124,48 @@ def connect_async(url: str | None = None) -> AsyncRedis:
             target.service, redis_class=AsyncRedis, db=target.db, socket_connect_timeout=CONNECT_TIMEOUT_S
         )
     return AsyncRedis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+
+
+def _sync_options(socket_timeout_s: float | None) -> dict[str, Any]:
+    return {
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": CONNECT_TIMEOUT_S,
+        "health_check_interval": 15,
+    }
+
+
+# What names the server, the database and who connects: all a synchronous twin copies of an asyncio client (its
+# timeouts, retries and parser are asyncio objects or the caller's tuning of them; the twin takes `connect`'s).
+_SAME_SERVER = ("host", "port", "path", "db", "username", "password", "credential_provider", "client_name")
+_SYNC_CLASS = {
+    async_connection.Connection: PlainConnection,
+    async_connection.SSLConnection: SSLConnection,
+    async_connection.UnixDomainSocketConnection: UnixDomainSocketConnection,
+}
+
+
+def connect_like(aredis: AsyncRedis, *, socket_timeout_s: float | None = 30.0) -> Redis:
+    """A synchronous client of the server, database, credentials and TLS settings an asyncio client connects
+    to (AsyncClient(redis=...)'s other half: the two must never reach different servers). ConfigError, one
+    line, for anything else, and for an asyncio client whose connections this cannot copy (Sentinel's, a
+    connection class of its own): give its URL instead, from which both halves are opened."""
+    if not isinstance(aredis, AsyncRedis):
+        raise ConfigError(
+            f"redis= takes a redis.asyncio.Redis, not a {type(aredis).__module__}.{type(aredis).__qualname__}; "
+            "a synchronous redis.Redis goes to Client(redis=...), or give AsyncClient(redis_url=...)"
+        )
+    pool = aredis.connection_pool
+    twin = _SYNC_CLASS.get(pool.connection_class)
+    if twin is None:
+        raise ConfigError(
+            f"AsyncClient(redis=...) cannot open a synchronous connection like its {pool.connection_class.__name__} "
+            "(Sentinel, or a connection class of its own); give redis_url= instead (redis+sentinel:// works)"
+        )
+    kw = pool.connection_kwargs
+    same = {k: kw[k] for k in _SAME_SERVER if k in kw}
+    if twin is SSLConnection:  # the sync class takes the same ssl_* names (certificates, verification)
+        same.update({k: v for k, v in kw.items() if k.startswith("ssl_")})
+    return Redis(connection_pool=ConnectionPool(connection_class=twin, **same, **_sync_options(socket_timeout_s)))
 
 
 def _sentinel_options() -> dict[str, Any]:

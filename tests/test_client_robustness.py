@@ -12,11 +12,15 @@ from typing import Any
 
 import pytest
 from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.connection import SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from producer.aio import AsyncClient
 from producer.client import Client
+from shared.conn import connect_like
 from shared.errors import ConfigError, RedisCommandError, RedisUnavailableError, StoreError
 from shared.keys import Keys
 from tests.fakes import FakeEngine
@@ -206,6 +210,72 @@ def test_both_clients_take_the_redis_url_under_the_same_keyword(client: Client, 
     assert asyncio.run(status(url=redis_url)).counts.total == 1  # the older name still works
     with pytest.raises(ConfigError, match="once"):
         AsyncClient(redis_url=redis_url, url=down_url())
+
+
+def test_an_async_client_given_a_connection_submits_and_reads_on_that_one_redis(
+    redis_url: str, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`AsyncClient(redis=...)` was forwarded to the sync Client while the async half opened the default URL
+    ($REDIS_URL, else localhost): submits went to one server and reads to another. $REDIS_URL points nowhere
+    here, so a half still opened from it fails."""
+    monkeypatch.setenv("REDIS_URL", down_url())
+
+    async def run() -> tuple[str, int]:
+        conn = AsyncRedis.from_url(redis_url)
+        aclient = AsyncClient(redis=conn)
+        try:
+            handle = await aclient.submit_batch([JOB])
+            record = await aclient.status(handle.id)
+            await aclient.aclose()
+            assert await conn.ping()  # the caller's connection: aclose() leaves it open
+            return handle.id, record.counts.total
+        finally:
+            await conn.aclose()
+
+    batch, total = asyncio.run(run())
+    assert total == 1
+    assert redis.scard(Keys().batch_item_set(batch)) == 1  # the submit wrote to the server the reads came from
+
+
+def test_the_sync_half_copies_the_async_connections_server_db_credentials_and_tls() -> None:
+    cases = {
+        "rediss://u:pw@h.example:6390/2?ssl_ca_certs=/ca.pem&ssl_cert_reqs=none": SSLConnection,
+        "unix:///tmp/r.sock?db=4&password=pw": UnixDomainSocketConnection,
+        "redis://:pw@10.0.0.7:6391/5": None,
+    }
+    for url, cls in cases.items():
+        conn = AsyncRedis.from_url(url)
+        want = {k: v for k, v in conn.connection_pool.connection_kwargs.items() if k in ("host", "port", "path", "db")}
+        want |= {k: v for k, v in conn.connection_pool.connection_kwargs.items() if k in ("username", "password")}
+        twin = connect_like(conn).connection_pool
+        got = twin.connection_kwargs
+        assert {k: got.get(k) for k in want} == want, url
+        if cls is not None:
+            assert twin.connection_class is cls
+        if cls is SSLConnection:
+            assert (got["ssl_ca_certs"], got["ssl_cert_reqs"]) == ("/ca.pem", "none")
+
+
+@pytest.mark.parametrize(
+    "given, why",
+    [
+        (Redis(), "not a redis.client.Redis"),  # the sync client: the other half could not be made from it
+        ("redis://127.0.0.1:6379/0", "not a builtins.str"),
+        (AsyncSentinel([("127.0.0.1", 1)]).master_for("svc"), "give redis_url= instead"),
+    ],
+    ids=["sync Redis", "a URL", "async Sentinel"],
+)
+def test_an_async_client_refuses_a_connection_it_cannot_pair_in_one_line(given: Any, why: str) -> None:
+    with pytest.raises(ConfigError, match=why) as caught:
+        AsyncClient(redis=given)
+    assert "\n" not in str(caught.value)
+
+
+def test_an_async_client_takes_a_connection_or_a_url_not_both(redis_url: str) -> None:
+    conn = AsyncRedis.from_url(redis_url)
+    for kw in ({"redis_url": redis_url}, {"url": redis_url}):
+        with pytest.raises(ConfigError, match="not both"):
+            AsyncClient(redis=conn, **kw)
 
 
 @pytest.mark.parametrize("prefix", ["", "   "])
