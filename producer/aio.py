@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Iterable
 from functools import partial
 from typing import Any
@@ -23,7 +24,7 @@ from shared.conn import redis_url as url_or_default
 from shared.errors import ConfigError, WaitTimeoutError
 from shared.job import Job
 from shared.keys import DEFAULT_PREFIX, INTERACTIVE, Keys
-from shared.store import BatchRecord, batch_record, queue_record_reads
+from shared.store import BatchRecord, batch_record, ended_kind, queue_record_reads, record_fields, stored_ended
 
 
 class AsyncClient:
@@ -76,10 +77,16 @@ class AsyncClient:
         return await self._status(batch)
 
     async def _status(self, batch: str) -> BatchRecord:
-        async with self.redis.pipeline(transaction=False) as pipe:
+        async with self.redis.pipeline(transaction=True) as pipe:
             queue_record_reads(pipe, self.keys, known_batch_id(batch))
-            raw, running, total, submits = await pipe.execute(raise_on_error=False)
-        return batch_record(self.keys, batch, raw, running, total, submits)
+            raw, running, total, submits, answered, steps = await pipe.execute(raise_on_error=False)
+        fields = record_fields(self.keys, batch, raw, answered)
+        ended = stored_ended(fields, answered)
+        if ended is None:  # some other writer changed a counter: count the results instead, as `read_batch`
+            ended = Counter()
+            async for cid, row in self.redis.hscan_iter(self.keys.batch_results(batch)):
+                ended[ended_kind(cid, row)] += 1
+        return batch_record(batch, fields, ended, running, total, submits, steps)
 
     @async_store_call
     async def result(self, job_id_or_batch: str, custom_id: str | None = None) -> dict[str, Any] | None:

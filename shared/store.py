@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -193,7 +195,7 @@ class BatchRecord:
         rate = self.rate_per_s(now)
         if rate is None or rate <= 0:
             return None
-        return (self.counts.total - self.counts.done) / rate
+        return max(self.counts.total - self.counts.done, 0) / rate
 
     def to_dict(self, now: float | None = None) -> dict[str, Any]:
         now = time.time() if now is None else now
@@ -307,47 +309,95 @@ def _counter_for(result: Result) -> str:
 def read_batch(redis: Redis, keys: Keys, batch: str) -> BatchRecord:
     """The batch's record; its total is the size of its item set, so an item submitted twice (concurrently,
     or again after a partial failure) counts once."""
-    with redis.pipeline(transaction=False) as pipe:
+    with redis.pipeline(transaction=True) as pipe:
         queue_record_reads(pipe, keys, batch)
-        raw, running, total, submits = pipe.execute(raise_on_error=False)
-    return batch_record(keys, batch, raw, running, total, submits)
+        raw, running, total, submits, answered, steps = pipe.execute(raise_on_error=False)
+    fields = record_fields(keys, batch, raw, answered)
+    ended = stored_ended(fields, answered)
+    if ended is None:
+        ended = Counter(ended_kind(cid, row) for cid, row in redis.hscan_iter(keys.batch_results(batch)))
+    return batch_record(batch, fields, ended, running, total, submits, steps)
 
 
 def queue_record_reads(pipe: Any, keys: Keys, batch: str) -> None:
-    """The reads a batch record is built from, queued on a (sync or asyncio) pipeline."""
+    """The reads a batch record is built from, queued on a (sync or asyncio) transaction: the counters and the
+    results hash they count are read at one instant, so they agree unless some other writer changed one."""
     pipe.hgetall(keys.batch(batch))
     pipe.scard(keys.batch_running(batch))
     pipe.scard(keys.batch_item_set(batch))
     pipe.zcount(keys.batch_submits(batch), time.time() - SUBMIT_ALIVE_S, "+inf")
+    pipe.hlen(keys.batch_results(batch))
+    pipe.hlen(keys.batch_steps(batch))
 
 
-def batch_record(
-    keys: Keys, batch: str, raw: dict[bytes, bytes], running: int, total: int, submits: int = 0
-) -> BatchRecord:
-    """A batch's record from what `queue_record_reads` read (a read that failed -- a key some writer gave
-    another type -- counts as empty; a record hash of another type is named, so the operator can move it aside;
-    any other unreadable record reads as no batch)."""
-    running, total, submits = (n if isinstance(n, int) else 0 for n in (running, total, submits))
+def record_fields(keys: Keys, batch: str, raw: Any, answered: Any) -> dict[str, str]:
+    """The batch hash's fields as text from what `queue_record_reads` read. A record hash or results hash of another
+    type is named, so the operator can move it aside (read as empty, the batch looked unanswered for good); any
+    other unreadable record reads as no batch."""
     if is_wrong_type(raw):
         raise WrongTypeError(keys.batch(batch), "hash")
+    if is_wrong_type(answered):
+        raise WrongTypeError(keys.batch_results(batch), "hash")
     if isinstance(raw, Exception):
         raise BatchNotFoundError(f"batch {batch!r} has an unreadable record ({raw})")
     if not raw:
         raise BatchNotFoundError(f"no batch {batch!r} (never submitted, or expired)")
-    h = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()}
-    finished, failed, cancelled, expired = (_num(h, f) for f in ("finished", "failed", "cancelled", "expired"))
+    return {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()}
+
+
+# The counters of ended items, by how they ended (`_counter_for`). Only the results hash says what is done: one
+# field an item, written once (HSETNX). The counters are its breakdown, bumped in the same script; trusted only
+# while they are plain counts that add up to the hash's size. Read as written (a negative `finished`, one pushed
+# past the item count, garbage or a deleted field), a batch never completed (`wait` hung) or completed early.
+ENDED = ("finished", "failed", "cancelled", "expired")
+_COUNT = re.compile(r"[0-9]{1,15}")  # what HINCRBY and the script's HSET write: no sign, no exponent, no spaces
+
+
+def stored_ended(fields: dict[str, str], answered: int) -> dict[str, int] | None:
+    """The ended-item counters when they agree with the `answered` results (HLEN); None when some other writer
+    changed one: the caller counts the results instead (`ended_kind`), the one exact reading."""
+    values = [fields.get(name, "0") for name in ENDED]
+    if not all(_COUNT.fullmatch(v) for v in values):
+        return None
+    counts = dict(zip(ENDED, map(int, values), strict=True))
+    return counts if sum(counts.values()) == answered else None
+
+
+def ended_kind(field: bytes, raw: bytes) -> str:
+    """The counter (ENDED) a stored final result counts in, as the script counted it when written: one no
+    result of its item (`result_row` shows it as that item's `bad_payload` error) counts as failed."""
+    custom_id = text_of(field)
+    row = None if custom_id is None else stored_result(custom_id, raw)
+    if row is None:
+        return "failed"
+    error = row.get("error")
+    if error is None:
+        return "finished"
+    return error["type"] if error["type"] in (CANCELLED, EXPIRED) else "failed"
+
+
+def batch_record(
+    batch: str, h: dict[str, str], ended: dict[str, int], running: Any, total: Any, submits: Any, steps: Any
+) -> BatchRecord:
+    """A batch's record from its fields (`record_fields`), its ended items by kind (`stored_ended`, else counted)
+    and the sizes `queue_record_reads` read (a read that failed -- a key some writer gave another type -- counts
+    as empty). Escalated items are the steps hash's size, which the `escalated` counter only mirrors (a forged
+    one showed items still queued as `finalizing`)."""
+    running, total, submits, steps = (n if isinstance(n, int) else 0 for n in (running, total, submits, steps))
+    finished, failed, cancelled, expired = (ended.get(name, 0) for name in ENDED)
     done = finished + failed + cancelled + expired
     running = min(int(running), max(total - done, 0))
+    escalated = min(steps, total)
     counts = BatchCounts(
         total=total,
         queued=max(total - done - running, 0),
         running=running,
         finished=finished,
         failed=failed,
-        escalated=_num(h, "escalated"),
+        escalated=escalated,
         cancelled=cancelled,
         expired=expired,
-        followups_done=_num(h, "followups_done"),
+        followups_done=min(_num(h, "followups_done"), escalated),
     )
     return BatchRecord(
         id=batch,
@@ -365,10 +415,9 @@ def batch_record(
 
 
 def _num(h: dict[str, str], name: str) -> int:
-    try:
-        return int(h.get(name, 0))
-    except ValueError:
-        return 0
+    """A count field, or 0 when it is none (negative, garbage, an exponent: some other writer's)."""
+    value = h.get(name, "0")
+    return int(value) if _COUNT.fullmatch(value) else 0
 
 
 def _float(h: dict[str, str], name: str) -> float | None:

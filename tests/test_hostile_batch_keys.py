@@ -4,16 +4,21 @@ first against the code before its fix)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import orjson
 import pytest
+from click.testing import CliRunner
 from redis import Redis
 
+from producer.aio import AsyncClient
+from producer.cli import cli
 from producer.client import Client
-from shared.errors import ConfigError
+from shared.errors import ConfigError, WaitTimeoutError, WrongTypeError
 from shared.keys import Keys, QueueRef
+from shared.store import BatchRecord
 from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.worker_helpers import assert_each_item_answered_once
 from worker.loop import BatchWorker
@@ -50,6 +55,106 @@ def test_a_garbage_counter_refuses_the_write_instead_of_half_writing(client: Cli
     record = client.status(batch)
     assert (record.counts.finished, record.counts.running) == (3, 0)  # 'abc' read as 0, then counted
     assert record.status == "completed"
+
+
+# What some other writer can leave in an ended-item counter: read as written, each kept `status --wait` waiting
+# for good (the batch never complete) or ended it early, with counts like finished=-1 and queued=4 of 3 items.
+HOSTILE_COUNTS = {
+    "negative": b"-1",
+    "garbage": b"abc",
+    "not UTF-8": b"\xff\xfe",
+    "huge": b"9" * 30,
+    "an exponent (Lua's large numbers)": b"1e+25",
+    "a float": b"3.0",
+    "padded": b" 3",
+    "deleted": None,
+}
+
+
+def _corrupt(redis: Redis, batch: str, field: str, value: bytes | None) -> None:
+    if value is None:
+        redis.hdel(K.batch(batch), field)
+    else:
+        redis.hset(K.batch(batch), field, value)
+
+
+def _async_status(redis_url: str, batch: str) -> BatchRecord:
+    async def run() -> BatchRecord:
+        aclient = AsyncClient(redis_url=redis_url)
+        try:
+            return await aclient.status(batch)
+        finally:
+            await aclient.aclose()
+
+    return asyncio.run(run())
+
+
+def three(client: Client) -> str:
+    return client.submit_batch(
+        [{"custom_id": f"x{i}", "model": "laya", "prompt": "p"} for i in range(3)], escalate=False
+    ).id
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_COUNTS))
+def test_a_hostile_counter_of_an_answered_batch_still_reads_complete(
+    client: Client, redis: Redis, redis_url: str, name: str
+) -> None:
+    batch = three(client)
+    worker(redis).work()
+    _corrupt(redis, batch, "finished", HOSTILE_COUNTS[name])
+    for record in (client.status(batch), _async_status(redis_url, batch)):
+        assert record.complete and record.status == "completed"
+        assert record.counts.to_dict() == {
+            **dict.fromkeys(("queued", "running", "failed", "escalated", "cancelled", "expired"), 0),
+            "total": 3,
+            "finished": 3,  # counted from the results hash, the one exact reading
+        }
+    assert client.wait(batch, timeout_s=5).complete
+    res = CliRunner().invoke(cli, ["--redis-url", redis_url, "status", batch, "--wait", "--timeout", "5"])
+    assert res.exit_code == 0 and "completed" in res.output, res.output
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_COUNTS))
+def test_a_counter_corrupted_before_the_run_ends_complete(client: Client, redis: Redis, name: str) -> None:
+    """The worker bumps the value it finds (`tonumber(v) or 0` + 1): -1 became 2 of 3, garbage 3 of 3 only when
+    nothing had been counted yet, 9...9 became 1e+25, which Python read as 0."""
+    batch = three(client)
+    _corrupt(redis, batch, "finished", HOSTILE_COUNTS[name])
+    worker(redis, FakeEngine(rows=1)).work()  # a take an item: the value is bumped three times
+    record = client.wait(batch, timeout_s=5)
+    assert (record.counts.finished, record.counts.queued, record.status) == (3, 0, "completed")
+
+
+def test_hostile_counters_never_complete_a_batch_early(client: Client, redis: Redis, redis_url: str) -> None:
+    batch = three(client)
+    redis.hset(K.batch(batch), mapping={"finished": b"9" * 30, "failed": b"5", "escalated": b"7"})
+    for record in (client.status(batch), _async_status(redis_url, batch)):
+        assert not record.complete and record.status == "in_progress"  # was: completed, or `failed`, at once
+        assert (record.counts.done, record.counts.queued, record.counts.escalated) == (0, 3, 0)
+        assert record.eta_s(time.time()) is None
+    with pytest.raises(WaitTimeoutError):
+        client.wait(batch, timeout_s=0.2, poll_s=0.05)
+    worker(redis).work()
+    assert client.wait(batch, timeout_s=5).status == "completed"
+
+
+def test_a_recount_sorts_the_ended_items_as_they_were_counted(client: Client, redis: Redis) -> None:
+    batch = three(client)
+    assert client.cancel(batch) == 3
+    redis.hset(K.batch_results(batch), "x2", b"\xff not a result")  # some other writer's: exported as a failure
+    redis.hset(K.batch(batch), mapping={"cancelled": b"-7", "failed": b"0"})
+    record = client.status(batch)
+    assert (record.counts.cancelled, record.counts.failed, record.counts.done) == (2, 1, 3)
+    assert record.status == "cancelled"
+
+
+def test_a_results_hash_of_the_wrong_type_is_named_not_waited_on(client: Client, redis: Redis) -> None:
+    """Read as no answers, its batch stayed `in_progress` for good (the worker refuses to write there)."""
+    batch = three(client)
+    redis.set(K.batch_results(batch), "x")
+    with pytest.raises(WrongTypeError, match=K.batch_results(batch)) as caught:
+        client.wait(batch, timeout_s=5)
+    assert "\n" not in str(caught.value)
 
 
 def test_a_batch_hash_of_the_wrong_type_writes_nothing(client: Client, redis: Redis) -> None:
