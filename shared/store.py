@@ -34,22 +34,24 @@ _READ_CHUNK = 1000
 # batch id, events channel.
 # Once every item of a batch has its final answer or error (and no submit is still writing it), announce it
 # exactly once: a message on the events channel, and a notice in the outbox when the batch asked for an
-# HTTP POST (workers deliver it). KEYS: batch hash, id set, outbox. ARGV: batch id, now, events channel
-# (an argument, not a key: it is no key, and ACL key patterns would refuse it).
+# HTTP POST (workers deliver it). KEYS: batch hash, id set, outbox, submits, results. ARGV: batch id, now, events
+# channel (an argument, not a key: it is no key, and ACL key patterns would refuse it). Done is the results hash's
+# size, not the counters' sum (`stored_ended`): a counter some other writer changed never announced the batch.
 _NOTIFY_LUA = """
-local function notify_if_done(hash, ids, channel, outbox, batch, now, submits)
+local function notify_if_done(hash, ids, channel, outbox, batch, now, submits, results)
   if redis.call('TYPE', submits).ok == 'zset' and redis.call('ZCOUNT', submits, now - SUBMIT_ALIVE_S, '+inf') > 0 then
     return 0
   end
-  local c = redis.call('HMGET', hash, 'finished', 'failed', 'cancelled', 'expired', 'notify_url')
-  local done = (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0) + (tonumber(c[4]) or 0)
+  if redis.call('TYPE', results).ok ~= 'hash' then return 0 end
+  local url = redis.call('HGET', hash, 'notify_url')
+  local done = redis.call('HLEN', results)
   local total = redis.call('SCARD', ids)
   if total == 0 or done < total then return 0 end
   if redis.call('HSETNX', hash, 'notified_at', now) == 0 then return 0 end
   redis.call('PUBLISH', channel, batch)
   local ot = redis.call('TYPE', outbox).ok
-  if c[5] and (ot == 'list' or ot == 'none') then
-    redis.call('LPUSH', outbox, cjson.encode({batch = batch, url = c[5], at = now}))
+  if url and (ot == 'list' or ot == 'none') then
+    redis.call('LPUSH', outbox, cjson.encode({batch = batch, url = url, at = now}))
   end
   return 1
 end
@@ -116,14 +118,15 @@ if ttl > 0 then
   end
 end
 if announce then
-  notify_if_done(KEYS[2], KEYS[5], ARGV[3], KEYS[6], ARGV[2], tonumber(now), KEYS[7])
+  notify_if_done(KEYS[2], KEYS[5], ARGV[3], KEYS[6], ARGV[2], tonumber(now), KEYS[7], KEYS[1])
 end
 return answers
 """
 )
 
 _NOTIFY_IF_DONE_LUA = (
-    _NOTIFY_LUA + "return notify_if_done(KEYS[1], KEYS[2], ARGV[3], KEYS[3], ARGV[1], tonumber(ARGV[2]), KEYS[4])\n"
+    _NOTIFY_LUA
+    + "return notify_if_done(KEYS[1], KEYS[2], ARGV[3], KEYS[3], ARGV[1], tonumber(ARGV[2]), KEYS[4], KEYS[5])\n"
 )
 
 
@@ -296,7 +299,13 @@ def notify_if_done(redis: Redis, keys: Keys, batch: str) -> bool:
     before it finished writing calls this at its end)."""
     script = redis.register_script(_NOTIFY_IF_DONE_LUA)
     args = [batch, repr(time.time()), keys.events()]
-    names = [keys.batch(batch), keys.batch_item_set(batch), keys.outbox(), keys.batch_submits(batch)]
+    names = [
+        keys.batch(batch),
+        keys.batch_item_set(batch),
+        keys.outbox(),
+        keys.batch_submits(batch),
+        keys.batch_results(batch),
+    ]
     return bool(script(keys=names, args=args))
 
 

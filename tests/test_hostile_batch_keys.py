@@ -16,9 +16,10 @@ from redis import Redis
 from producer.aio import AsyncClient
 from producer.cli import cli
 from producer.client import Client
-from shared.errors import ConfigError, WaitTimeoutError, WrongTypeError
-from shared.keys import Keys, QueueRef
-from shared.store import BatchRecord
+from shared.errors import INTERNAL, ConfigError, WaitTimeoutError, WrongTypeError
+from shared.keys import Keys, QueueRef, job_id
+from shared.result import Result
+from shared.store import BatchRecord, record_result
 from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.worker_helpers import assert_each_item_answered_once
 from worker.loop import BatchWorker
@@ -155,6 +156,24 @@ def test_a_results_hash_of_the_wrong_type_is_named_not_waited_on(client: Client,
     with pytest.raises(WrongTypeError, match=K.batch_results(batch)) as caught:
         client.wait(batch, timeout_s=5)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("value", [b"-5", b"9" * 30])
+def test_a_hostile_counter_neither_keeps_nor_makes_the_announcement(client: Client, redis: Redis, value: bytes) -> None:
+    """The worker announced a batch (events message, HTTP notice) when the counters summed to its size: a negative
+    one never did, a huge one did before any item was answered."""
+    jobs = [{"custom_id": f"x{i}", "model": "laya", "prompt": "p"} for i in range(3)]
+    batch = client.submit_batch(jobs, escalate=False, notify_url="http://127.0.0.1:9/hook").id
+    redis.hset(K.batch(batch), "finished", value)
+    one = Result.failure(
+        custom_id="x0", model="laya", job_id=job_id(batch, "x0"), batch=batch, error_type=INTERNAL, message="m"
+    )
+    assert record_result(redis, K, one)  # one item answered of three
+    assert redis.hget(K.batch(batch), "notified_at") is None
+    worker(redis).work()
+    assert redis.hget(K.batch(batch), "notified_at") is not None
+    notices = [orjson.loads(n) for n in redis.lrange(K.outbox(), 0, -1)]
+    assert [n["batch"] for n in notices].count(batch) <= 1  # announced once (a worker may have sent it already)
 
 
 def test_a_batch_hash_of_the_wrong_type_writes_nothing(client: Client, redis: Redis) -> None:
