@@ -3,7 +3,9 @@ waits that wake on the message."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ from producer.client import Client
 from shared.keys import Keys
 from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.worker_helpers import wait_until
+from worker import notices
 from worker.loop import BatchWorker
 from worker.settings import WorkerSettings
 
@@ -106,3 +109,124 @@ def test_wait_wakes_on_the_announcement_not_the_poll(client: Client, redis: Redi
     finally:
         worker.request_stop()
         thread.join(timeout=30)
+
+
+# ---- receivers that misbehave -----------------------------------------------------------------------------------
+class Receiver:
+    """A bare TCP server: each connection's request is read, then `answer` writes whatever it likes; `closed`
+    records when the sender hung up on an answer still being written."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.server = socket.socket()
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(16)
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}/hook"
+        self.requests = 0
+        self.closed: list[float] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.server.accept()
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.recv(65536)
+            self.requests += 1
+            try:
+                self.answer(self, conn)
+            except OSError:
+                self.closed.append(time.monotonic())
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def trickle(data: bytes, every_s: float = 0.2):
+    def answer(receiver: Receiver, conn: socket.socket) -> None:
+        for byte in data:
+            conn.sendall(bytes([byte]))
+            time.sleep(every_s)
+
+    return answer
+
+
+# A byte every 0.2 s: each read of the sender's socket succeeds well within any per-read timeout.
+SLOW_STATUS = trickle(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+ENDLESS_HEADERS = trickle(b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"a" * 200)
+
+
+@pytest.mark.parametrize("answer", [SLOW_STATUS, ENDLESS_HEADERS], ids=["slow-status", "endless-headers"])
+def test_a_trickling_receiver_cannot_hold_a_try_past_its_deadline(answer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The socket timeout bounds each read, not the answer: a receiver sending a byte every 0.2 s held a try with
+    a 1 s timeout for as long as it kept trickling (and the notices thread, and every notice behind it)."""
+    monkeypatch.setattr(notices, "POST_TIMEOUT_S", 1.0)
+    receiver = Receiver(answer)
+    try:
+        started = time.monotonic()
+        assert notices._post(receiver.url, b"{}") is False
+        took = time.monotonic() - started
+        assert took < 2.0, f"one try took {took:.1f} s"
+        # The abandoned connection is shut, not left trickling on a thread of its own.
+        wait_until(lambda: receiver.closed, 5)
+        assert receiver.closed[0] - started < 3.0
+        wait_until(lambda: not [t for t in threading.enumerate() if t.name == "notice-post"], 5)
+    finally:
+        receiver.close()
+
+
+def test_a_notice_to_a_trickling_receiver_is_retried_then_given_up(
+    client: Client, redis: Redis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(notices, "POST_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(notices, "RETRY_DELAYS_S", (0.1,))
+    receiver = Receiver(SLOW_STATUS)
+    handle = client.submit_batch([{"custom_id": "a", "model": "laya", "prompt": "p"}])
+    notifier = notices.Notifier(redis, Keys(), "w1", allow=[receiver.url], stop=threading.Event())
+    try:
+        started = time.monotonic()
+        notifier._deliver(orjson.dumps({"batch": handle.id, "url": receiver.url}))
+        assert time.monotonic() - started < 3.0
+    finally:
+        receiver.close()
+    assert receiver.requests == 2 and notifier.delivered == 0
+    assert f"batch {handle.id}: POST to {receiver.url} failed 2 times; giving up" in caplog.text
+    assert "no whole answer within 0.5 s" in caplog.text
+
+
+def endless_body(status: bytes):
+    def answer(receiver: Receiver, conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 " + status + b"\r\nContent-Length: 1000000000000\r\n\r\n")
+        while True:
+            conn.sendall(b"x" * 65536)
+
+    return answer
+
+
+@pytest.mark.parametrize(("status", "ok"), [(b"200 OK", True), (b"500 Oops", False)])
+def test_an_endless_answer_body_is_not_read(status: bytes, ok: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the status counts: a terabyte body is never read (nor waited for)."""
+    monkeypatch.setattr(notices, "POST_TIMEOUT_S", 5.0)
+    receiver = Receiver(endless_body(status))
+    try:
+        started = time.monotonic()
+        assert notices._post(receiver.url, b"{}") is ok
+        assert time.monotonic() - started < 2.0
+        wait_until(lambda: receiver.closed, 5)
+    finally:
+        receiver.close()
+
+
+def test_a_redirect_loop_costs_one_request() -> None:
+    def to_itself(receiver: Receiver, conn: socket.socket) -> None:
+        conn.sendall(f"HTTP/1.1 307 Again\r\nLocation: {receiver.url}\r\nContent-Length: 0\r\n\r\n".encode())
+
+    receiver = Receiver(to_itself)
+    try:
+        assert notices._post(receiver.url, b"{}") is False
+        assert receiver.requests == 1
+    finally:
+        receiver.close()

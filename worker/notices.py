@@ -7,10 +7,12 @@ from __future__ import annotations
 import contextlib
 import http.client
 import logging
+import socket
 import threading
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import orjson
@@ -23,7 +25,7 @@ from shared.store import read_batch
 
 log = logging.getLogger("kevlaya.worker")
 
-POST_TIMEOUT_S = 10.0
+POST_TIMEOUT_S = 10.0  # one try, all of it: a receiver trickling its answer gets no more
 RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0)  # after the first try: five tries over ~15 s
 
 
@@ -128,19 +130,113 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-_OPENER = urllib.request.build_opener(_NoRedirect)
-
-
 def _post(url: str, body: bytes) -> bool:
-    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
-    try:
-        with _OPENER.open(request, timeout=POST_TIMEOUT_S) as resp:
-            return 200 <= resp.status < 300
-    except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as exc:
-        # HTTPException is no OSError: a garbled status line or an oversized header (a proxy mid-restart) is a
-        # failed try like any other, not a reason to drop the notice without its retries.
-        log.warning("notices: POST to %s failed: %s", url, exc)
+    """One try: True for a 2xx status within POST_TIMEOUT_S, all of it (resolve, connect, send, status line and
+    headers; the answer's body is never read). A socket timeout bounds each read, not the answer: a receiver
+    trickling a byte every few seconds held the notices thread, and every notice behind it, for as long as it
+    liked. So the try runs on a thread of its own, and at the deadline its connection is shut, ending it too."""
+    attempt = _Attempt(url, body)
+    thread = threading.Thread(target=attempt.run, daemon=True, name="notice-post")
+    thread.start()
+    thread.join(POST_TIMEOUT_S)
+    if thread.is_alive():
+        attempt.abandon()
+        log.warning("notices: POST to %s failed: no whole answer within %g s", url, POST_TIMEOUT_S)
         return False
+    if attempt.error is not None:
+        log.warning("notices: POST to %s failed: %s", url, attempt.error)
+    return attempt.ok
+
+
+class _Attempt:
+    """One POST and the connections it opened, which `abandon` shuts from another thread."""
+
+    def __init__(self, url: str, body: bytes) -> None:
+        self.request = urllib.request.Request(
+            url, data=body, method="POST", headers={"Content-Type": "application/json"}
+        )
+        self.ok = False
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._over = False
+        # Duplicates of the connections' descriptors: shutting one down ends every read and write on its socket
+        # (plain or TLS, mid-handshake too), and being ours it can never name a descriptor reused meanwhile.
+        self._watched: list[socket.socket] = []
+
+    def run(self) -> None:
+        opener = urllib.request.build_opener(_NoRedirect, _WatchedHTTP(self), _WatchedHTTPS(self))
+        try:
+            with opener.open(self.request, timeout=POST_TIMEOUT_S) as resp:
+                self.ok = 200 <= resp.status < 300
+        except urllib.error.HTTPError as exc:
+            exc.close()  # it holds the answer open (a body still arriving) until collected
+            self.error = str(exc)
+        except Exception as exc:  # this thread's one boundary: any failure is a failed try
+            # HTTPException is no OSError (a garbled status line, too many headers), and a connection shut at the
+            # deadline fails however the read it interrupted fails.
+            self.error = str(exc) or type(exc).__name__
+        finally:
+            with self._lock:
+                self._over = True
+                for sock in self._watched:
+                    sock.close()
+                self._watched.clear()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._over:
+                raise TimeoutError("the try's deadline passed while connecting")
+            self._watched.append(sock.dup())
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._over = True
+            for sock in self._watched:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
+class _WatchedConnection(http.client.HTTPConnection):
+    """Shows its socket to its attempt once connected, before any TLS handshake (HTTPSConnection.connect runs
+    this class's connect first, as its super())."""
+
+    attempt: _Attempt
+
+    def connect(self) -> None:
+        super().connect()
+        self.attempt.watch(self.sock)
+
+
+class _WatchedHTTPSConnection(http.client.HTTPSConnection, _WatchedConnection):
+    pass
+
+
+class _WatchedHTTP(urllib.request.HTTPHandler):
+    def __init__(self, attempt: _Attempt) -> None:
+        super().__init__()
+        self.attempt = attempt
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(self._connection, req)
+
+    def _connection(self, host: str, **kwargs: Any) -> http.client.HTTPConnection:
+        conn = _WatchedConnection(host, **kwargs)
+        conn.attempt = self.attempt
+        return conn
+
+
+class _WatchedHTTPS(urllib.request.HTTPSHandler):
+    def __init__(self, attempt: _Attempt) -> None:
+        super().__init__()
+        self.attempt = attempt
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(self._connection, req, context=self._context)
+
+    def _connection(self, host: str, **kwargs: Any) -> http.client.HTTPConnection:
+        conn = _WatchedHTTPSConnection(host, **kwargs)
+        conn.attempt = self.attempt
+        return conn
 
 
 def return_notices(redis: Redis, keys: Keys, worker: str) -> int:
