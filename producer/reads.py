@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -76,6 +77,14 @@ def answer_of(batch: str, custom_id: str, raw: bytes | None, in_batch: Any) -> d
     if in_batch is not True and in_batch != 1:  # 0, or an error reading a key some writer gave another type
         raise BatchNotFoundError(f"no item {custom_id!r} in batch {batch!r} (never submitted, or expired)")
     return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchListing:
+    """What `list_batches` read: the readable batches, newest first, and the errors naming the others' keys."""
+
+    records: tuple[BatchRecord, ...]
+    unreadable: tuple[WrongTypeError, ...]
 
 
 class BatchReads:
@@ -161,20 +170,31 @@ class BatchReads:
 
     @store_call
     def batches(self, *, limit: int = 20) -> list[BatchRecord]:
-        """The newest batches first (those whose keys have expired are left out)."""
-        out: list[BatchRecord] = []
+        """The newest batches first (those whose keys have expired are left out, and those `list_batches` finds
+        unreadable)."""
+        return list(self.list_batches(limit=limit).records)
+
+    @store_call
+    def list_batches(self, *, limit: int = 20) -> BatchListing:
+        """The newest readable batches first, up to `limit`, and an error for each batch met on the way whose key
+        some other writer gave another type (`status` of it raises the same). Expired batches are left out."""
+        records: list[BatchRecord] = []
+        unreadable: list[WrongTypeError] = []
         if limit <= 0:
-            return out
+            return BatchListing(records=(), unreadable=())
         with expecting(self.redis, {self.keys.batches(): "zset"}):
             listed = self.redis.zrevrange(self.keys.batches(), 0, max(limit * 2, limit) - 1)
         for raw in listed:
             try:
-                out.append(self.status(raw.decode("utf-8", "replace")))
-            except (BatchNotFoundError, WrongTypeError):  # one unreadable batch hides no other: `status` names it
+                records.append(self.status(raw.decode("utf-8", "replace")))
+            except BatchNotFoundError:  # expired, or an index entry no submit wrote
                 continue
-            if len(out) >= limit:
+            except WrongTypeError as exc:  # one broken batch hides no other, and is not hidden itself
+                unreadable.append(exc)
+                continue
+            if len(records) >= limit:
                 break
-        return out
+        return BatchListing(records=tuple(records), unreadable=tuple(unreadable))
 
     @store_call
     def overview(self) -> dict[str, Any]:

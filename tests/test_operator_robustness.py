@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import orjson
 import pytest
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -20,6 +21,7 @@ from producer.cli import main
 from producer.client import Client
 from producer.schedule import ScheduleSpec, ScheduleState, SlotRun
 from shared.errors import EXIT_OK, EXIT_REDIS, EXIT_USAGE
+from shared.keys import Keys
 from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.test_operator_edges import FailsFirst, items
 from worker import presence, supervisor
@@ -32,10 +34,19 @@ from worker.tools.embedded_redis import EmbeddedRedis, free_port
 def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     """`kevlaya ARGS` in this process: its exit code and stderr. Any exception but SystemExit (a traceback for the
     operator) fails the test."""
+    code, _, err = run_main_out(monkeypatch, capsys, *args)
+    return code, err
+
+
+def run_main_out(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str
+) -> tuple[int, str, str]:
+    """`run_main`, with stdout too: exit code, stdout, stderr."""
     monkeypatch.setattr(sys, "argv", ["kevlaya", *args])
     with pytest.raises(SystemExit) as exited:
         main()
-    return int(exited.value.code or 0), capsys.readouterr().err
+    captured = capsys.readouterr()
+    return int(exited.value.code or 0), captured.out, captured.err
 
 
 # ---- keys of the wrong type ----------------------------------------------------------------------------------
@@ -104,6 +115,59 @@ def test_the_wrong_typed_key_message_says_what_to_do(
         "wrote it): move it aside (redis-cli RENAME 'kevlaya:batches' 'kevlaya:batches.bad') or delete it, then run "
         "the command again"
     )
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+def test_batches_lists_the_readable_and_names_each_broken_batch(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    redis: Redis,
+    redis_url: str,
+    client: Client,
+    as_json: bool,
+) -> None:
+    """A batch whose record or results key some other writer gave another type was left out of the listing without
+    a word (exit 0), while `status` of that batch names the key and exits 1. The listing goes on past it (the other
+    batches are worth seeing), then names each such key in one line and exits 1, as every other command does."""
+    for batch in ("b1", "b2", "b3"):
+        client.submit_batch(items(1), batch_id=batch)
+    keys = Keys()
+    redis.delete(keys.batch("b2"), keys.batch_results("b3"))
+    redis.set(keys.batch("b2"), "x")
+    redis.rpush(keys.batch_results("b3"), "x")
+    args = ["--redis-url", redis_url, "batches", *(["--json"] if as_json else [])]
+    code, out, err = run_main_out(monkeypatch, capsys, *args)
+    assert code == EXIT_USAGE
+    listed = [orjson.loads(row)["batch"] if as_json else row.split()[0] for row in out.splitlines()]
+    assert listed == ["b1"]
+    # Each broken batch in one line, the line `status` prints for it.
+    named = [run_main(monkeypatch, capsys, "--redis-url", redis_url, "status", b) for b in ("b2", "b3")]
+    assert [c for c, _ in named] == [EXIT_USAGE, EXIT_USAGE]
+    assert sorted(err.splitlines()) == sorted(e.strip() for _, e in named)
+    assert keys.batch("b2") in named[0][1] and keys.batch_results("b3") in named[1][1]
+
+
+def test_batches_shows_a_record_of_hostile_values_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], redis: Redis, redis_url: str, client: Client
+) -> None:
+    """Fields that are not UTF-8, numbers that are garbage, NaN or huge, fields missing altogether, an index entry
+    that is no batch id or whose record expired: each batch still gets its line (or none, when there is no
+    record), and the command ends cleanly."""
+    for batch in ("mangled", "bare", "fine"):
+        client.submit_batch(items(2), batch_id=batch)
+    keys = Keys()
+    redis.hset(keys.batch("mangled"), mapping={
+        "created_at": b"\xff\xfe", "expires_at": "nan", "finished": "-3", "failed": "1e400",
+        "followups_done": "\u00e9", "first_done_at": "inf", b"\xff": b"\xff", "cancel_requested": b"\x80",
+    })  # fmt: skip
+    redis.delete(keys.batch("bare"))
+    redis.hset(keys.batch("bare"), "junk", "1")  # every field kevlaya writes missing
+    redis.zadd(keys.batches(), {b"\xff\xfe": time.time() + 5, "gone": time.time() + 6, "x" * 500: time.time() + 7})
+    for extra in ([], ["--json"]):
+        code, out, err = run_main_out(monkeypatch, capsys, "--redis-url", redis_url, "batches", *extra)
+        assert (code, err) == (EXIT_OK, "")
+        ids = [orjson.loads(row)["batch"] if extra else row.split()[0] for row in out.splitlines()]
+        assert sorted(ids) == ["bare", "fine", "mangled"]
 
 
 # ---- a worker against a Redis that is down -------------------------------------------------------------------
