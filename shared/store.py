@@ -481,6 +481,10 @@ def promote_step(redis: Redis, keys: Keys, batch: str, custom_id: str, *, reason
 # Reopens an item whose final result is a failure of this job, so the job's next run is recorded: the
 # failure removed and uncounted, the batch to be announced again when it completes again. Cancelled and
 # expired items stay closed. KEYS: results hash, batch hash. ARGV: custom_id, job id.
+# The batch hash's type is checked before the first write and its counters are read with tonumber() and set (as
+# `_RECORD_LUA`'s bump), so nothing after the HDEL can fail: a script that fails half-way keeps its writes, and
+# HINCRBY refused any value that is no integer to Redis (the failure was gone, yet still counted). A missing counter
+# stays missing (read as 0), so a batch hash that expired is not made again.
 _REOPEN_LUA = """
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 if not raw then return 0 end
@@ -488,10 +492,18 @@ local ok, row = pcall(cjson.decode, raw)
 if not ok or type(row) ~= 'table' or row['job_id'] ~= ARGV[2] then return 0 end
 local err = row['error']
 if type(err) ~= 'table' or err['type'] == 'cancelled' or err['type'] == 'expired' then return 0 end
+local t = redis.call('TYPE', KEYS[2]).ok
+if t ~= 'hash' and t ~= 'none' then return redis.error_reply('KEVLAYA_BAD_BATCH ' .. KEYS[2] .. ' is a ' .. t) end
+local function drop(field)
+  local v = redis.call('HGET', KEYS[2], field)
+  if not v then return end
+  local n = tonumber(v) or 0
+  redis.call('HSET', KEYS[2], field, n >= 1 and n - 1 or 0)  -- never below zero; NaN fails n >= 1 too
+end
 redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('HINCRBY', KEYS[2], 'failed', -1)
+drop('failed')
+if type(row['escalated_from']) == 'string' then drop('followups_done') end
 redis.call('HDEL', KEYS[2], 'notified_at')
-if type(row['escalated_from']) == 'string' then redis.call('HINCRBY', KEYS[2], 'followups_done', -1) end
 return 1
 """
 

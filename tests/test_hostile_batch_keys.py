@@ -7,19 +7,21 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 
 import orjson
 import pytest
 from click.testing import CliRunner
 from redis import Redis
+from redis.exceptions import ResponseError
 
 from producer.aio import AsyncClient
 from producer.cli import cli
 from producer.client import Client
 from shared.errors import INTERNAL, ConfigError, WaitTimeoutError, WrongTypeError
-from shared.keys import Keys, QueueRef, job_id
+from shared.keys import Keys, QueueRef, followup_id, job_id
 from shared.result import Result
-from shared.store import BatchRecord, record_result
+from shared.store import BatchRecord, record_result, reopen_failed
 from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.worker_helpers import assert_each_item_answered_once
 from worker.loop import BatchWorker
@@ -174,6 +176,46 @@ def test_a_hostile_counter_neither_keeps_nor_makes_the_announcement(client: Clie
     assert redis.hget(K.batch(batch), "notified_at") is not None
     notices = [orjson.loads(n) for n in redis.lrange(K.outbox(), 0, -1)]
     assert [n["batch"] for n in notices].count(batch) <= 1  # announced once (a worker may have sent it already)
+
+
+def _followup_failure(redis: Redis, batch: str, custom_id: str) -> str:
+    """Records the failure of an item's Kev follow-up (it counts in `failed` and `followups_done`); its job id."""
+    parent = job_id(batch, custom_id)
+    jid = followup_id(parent, "kev")
+    failure = Result.failure(
+        custom_id=custom_id, model="kev", job_id=jid, batch=batch, error_type=INTERNAL, message="flaky"
+    )
+    assert record_result(redis, K, replace(failure, escalated_from=parent))
+    return jid
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_COUNTS))
+def test_reopening_a_failure_over_hostile_counters_never_stops_half_way(
+    client: Client, redis: Redis, name: str
+) -> None:
+    """A failed job requeued (`rq requeue`) has its failure taken back (`reopen_failed`). The script decremented the
+    counters with HINCRBY after deleting the failure: on a value that is no integer to Redis it stopped half-way (a
+    Lua script keeps its writes), and a negative one went further below zero."""
+    batch = three(client)
+    jid = _followup_failure(redis, batch, "x0")
+    for field in ("failed", "followups_done"):
+        _corrupt(redis, batch, field, HOSTILE_COUNTS[name])
+    assert reopen_failed(redis, K, batch, "x0", jid)
+    assert redis.hget(K.batch_results(batch), "x0") is None
+    for value in redis.hmget(K.batch(batch), ["failed", "followups_done"]):
+        assert value is None or float(value) >= 0  # as the worker's scripts read a count: tonumber(v) or 0
+    record = client.status(batch)
+    assert (record.counts.failed, record.counts.done, record.counts.queued) == (0, 0, 3)
+
+
+def test_reopening_a_failure_of_a_batch_whose_hash_is_no_hash_changes_nothing(client: Client, redis: Redis) -> None:
+    batch = three(client)
+    jid = _followup_failure(redis, batch, "x0")
+    redis.delete(K.batch(batch))
+    redis.set(K.batch(batch), "x")
+    with pytest.raises(ResponseError):
+        reopen_failed(redis, K, batch, "x0", jid)
+    assert redis.hget(K.batch_results(batch), "x0") is not None  # was deleted, then the script failed
 
 
 def test_a_batch_hash_of_the_wrong_type_writes_nothing(client: Client, redis: Redis) -> None:
