@@ -43,8 +43,10 @@ from shared.result import Result
 from shared.store import (
     DEFAULT_BATCH_TTL_S,
     BatchRecord,
+    answers_escalated,
     answers_item,
     batch_state,
+    ended_kind,
     notify_if_done,
     promote_step,
     record_result,
@@ -324,7 +326,14 @@ class Client(BatchReads):
                 try:
                     pipe.watch(results)  # a worker writing any result meanwhile: read again, try again
                     failed: dict[str, dict[str, Any]] = {}
+                    # The counters this retry changes, recounted from the results as they stand (WATCHed: every
+                    # counter write of the worker's script comes with a result write). Set, not moved by HINCRBY:
+                    # on a value some other writer left that is no integer to Redis, that one command failed while
+                    # the rest of the transaction applied, and a negative one went further below zero.
+                    failures = escalated = 0
                     for cid, raw in pipe.hscan_iter(results):
+                        failures += ended_kind(cid, raw) == "failed"
+                        escalated += answers_escalated(cid, raw)
                         row = retryable(batch, cid, raw)
                         if row is not None:
                             failed[row["job_id"]] = row
@@ -335,10 +344,8 @@ class Client(BatchReads):
                     for jid in jobs:
                         pipe.hdel(results, failed[jid]["custom_id"])
                         pipe.hdel(job_key(jid), "kevlaya_crashes")  # a fresh start: earlier crashes no longer count
-                    pipe.hincrby(key, "failed", -len(jobs))
                     followups = sum(1 for jid in jobs if failed[jid].get("escalated_from"))
-                    if followups:
-                        pipe.hincrby(key, "followups_done", -followups)
+                    pipe.hset(key, mapping={"failed": failures - len(jobs), "followups_done": escalated - followups})
                     pipe.hdel(key, "notified_at")  # the batch is announced again when it finishes again
                     enqueue_entries(pipe, self.queues, [Entry(jid, job) for jid, job in jobs.items()], self.enqueue)
                     pipe.execute()

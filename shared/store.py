@@ -385,6 +385,14 @@ def ended_kind(field: bytes, raw: bytes) -> str:
     return error["type"] if error["type"] in (CANCELLED, EXPIRED) else "failed"
 
 
+def answers_escalated(field: bytes, raw: bytes) -> bool:
+    """Whether a stored final result counts in `followups_done`, as the script counted it when written: the final
+    answer of an item that escalated (its follow-up's, or its own answer kept when the follow-up was cancelled)."""
+    custom_id = text_of(field)
+    row = None if custom_id is None else stored_result(custom_id, raw)
+    return row is not None and bool(row.get("escalated_from") or row.get("not_escalated"))
+
+
 def batch_record(
     batch: str, h: dict[str, str], ended: dict[str, int], running: Any, total: Any, submits: Any, steps: Any
 ) -> BatchRecord:

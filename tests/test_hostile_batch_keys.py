@@ -26,6 +26,7 @@ from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.worker_helpers import assert_each_item_answered_once
 from worker.loop import BatchWorker
 from worker.notices import Notifier, allowed
+from worker.outputs import RowOutput
 from worker.settings import WorkerSettings
 
 K = Keys()
@@ -176,6 +177,44 @@ def test_a_hostile_counter_neither_keeps_nor_makes_the_announcement(client: Clie
     assert redis.hget(K.batch(batch), "notified_at") is not None
     notices = [orjson.loads(n) for n in redis.lrange(K.outbox(), 0, -1)]
     assert [n["batch"] for n in notices].count(batch) <= 1  # announced once (a worker may have sent it already)
+
+
+class FailsWhileFlaky(FakeEngine):
+    """Fails every Kev row whose prompt says FLAKY while `flaky` is set (an escalated item's follow-up too)."""
+
+    flaky = True
+
+    def run(self, jobs, *, time_limit_s=None):
+        out = super().run(jobs, time_limit_s=time_limit_s)
+        fails = [self.flaky and j.model == "kev" and "FLAKY" in (j.prompt or "") for j in jobs]
+        return [RowOutput.failed(INTERNAL, "flaky") if f else o for f, o in zip(fails, out, strict=True)]
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_COUNTS))
+def test_retry_failed_over_hostile_counters_retries_and_sets_them_right(
+    client: Client, redis: Redis, name: str
+) -> None:
+    """retry_failed decremented `failed` and `followups_done` with HINCRBY inside its transaction: on a value that
+    is no integer to Redis that one command failed while the rest applied (the items were requeued, yet the caller
+    saw an error), and a negative one went further below zero."""
+    jobs = [
+        {"custom_id": "k", "model": "kev", "prompt": "FLAKY"},
+        {"custom_id": "e", "model": "laya", "prompt": "unsure FLAKY"},  # escalates; its Kev follow-up fails
+        {"custom_id": "ok", "model": "laya", "prompt": "p"},
+    ]
+    batch = client.submit_batch(jobs).id
+    engine = FailsWhileFlaky()
+    worker(redis, engine).work()
+    assert client.status(batch).counts.failed == 2
+    for field in ("failed", "followups_done"):
+        _corrupt(redis, batch, field, HOSTILE_COUNTS[name])
+    assert client.retry_failed(batch) == 2
+    assert redis.hmget(K.batch(batch), ["failed", "followups_done"]) == [b"0", b"0"]  # what the results hold
+    engine.flaky = False
+    worker(redis, engine).work()
+    rows = assert_each_item_answered_once(client, redis, batch, 3)
+    assert all(r.get("error") is None for r in rows)
+    assert redis.hmget(K.batch(batch), ["finished", "failed", "followups_done"]) == [b"3", b"0", b"1"]
 
 
 def _followup_failure(redis: Redis, batch: str, custom_id: str) -> str:
