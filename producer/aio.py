@@ -19,7 +19,7 @@ from redis.asyncio import Redis as AsyncRedis
 from producer.client import BatchHandle, Client
 from producer.outages import Outage, async_store_call
 from producer.reads import answer_of, check_wait, custom_id_of, known_batch_id, known_custom_id, split_job_id
-from shared.conn import check_url, connect_async, connect_like
+from shared.conn import check_bytes_replies, check_url, connect_async, connect_like
 from shared.conn import redis_url as url_or_default
 from shared.errors import ConfigError, WaitTimeoutError
 from shared.job import Job
@@ -45,7 +45,9 @@ class AsyncClient:
         if redis is not None:
             if redis_url is not None or url is not None:
                 raise ConfigError("AsyncClient: give redis= (a redis.asyncio.Redis) or redis_url=, not both")
-            self.sync = Client(redis=connect_like(redis), prefix=prefix, **client_kw)
+            twin = connect_like(redis)  # first: a value that is no redis.asyncio.Redis is named as such
+            check_bytes_replies(redis, "AsyncClient")
+            self.sync = Client(redis=twin, prefix=prefix, **client_kw)
             self.redis = redis
             self._own_redis = False  # the caller's connection: it closes it, not aclose()
         else:

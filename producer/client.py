@@ -15,7 +15,7 @@ from redis.exceptions import WatchError
 from producer.outages import store_call
 from producer.reads import BatchReads
 from shared import models as known_models
-from shared.conn import connect, url_of
+from shared.conn import check_bytes_replies, connect, url_of
 from shared.enqueue import (
     ENQUEUE_TRIES,
     EnqueueSettings,
@@ -122,6 +122,8 @@ class Client(BatchReads):
         retries: int = DEFAULT_RETRIES,
         job_timeout_s: int = DEFAULT_JOB_TIMEOUT_S,
     ) -> None:
+        if redis is not None:
+            check_bytes_replies(redis, "Client")
         self.redis = redis if redis is not None else connect(redis_url)
         self.redis_shown = url_of(self.redis)  # what a StoreError names
         self.keys = Keys(prefix)

@@ -168,6 +168,18 @@ def connect_like(aredis: AsyncRedis, *, socket_timeout_s: float | None = 30.0) -
     return Redis(connection_pool=ConnectionPool(connection_class=twin, **same, **_sync_options(socket_timeout_s)))
 
 
+def check_bytes_replies(conn: Any, who: str) -> None:
+    """ConfigError, one line, for a caller's connection made with decode_responses=True: every reader takes the
+    bytes Redis holds (an id or a result that is not UTF-8 is data too, never decoded blindly), and str replies
+    broke them with a raw AttributeError."""
+    kw = getattr(getattr(conn, "connection_pool", None), "connection_kwargs", None) or {}
+    if kw.get("decode_responses"):
+        raise ConfigError(
+            f"{who}(redis=...) was given a connection made with decode_responses=True (it answers str; kevlaya reads "
+            "bytes): create it without decode_responses, or give redis_url="
+        )
+
+
 def _sentinel_options() -> dict[str, Any]:
     return {"socket_timeout": CONNECT_TIMEOUT_S, "socket_connect_timeout": CONNECT_TIMEOUT_S}
 

@@ -271,6 +271,27 @@ def test_an_async_client_refuses_a_connection_it_cannot_pair_in_one_line(given: 
     assert "\n" not in str(caught.value)
 
 
+def test_a_client_refuses_a_connection_that_decodes_replies(redis_url: str) -> None:
+    """Every reader takes bytes (an id or a result that is not UTF-8 is data too): given a connection made with
+    decode_responses=True, status, iter_results, batches, cancel and retry_failed raised a raw AttributeError."""
+    conn = Redis.from_url(redis_url, decode_responses=True)
+    try:
+        with pytest.raises(ConfigError, match="without decode_responses") as caught:
+            Client(redis=conn)
+        assert "\n" not in str(caught.value)
+    finally:
+        conn.close()
+
+
+def test_an_async_client_refuses_a_connection_that_decodes_replies(redis_url: str) -> None:
+    """Its submits went through its own synchronous half, but `status` and `wait` raised a raw AttributeError."""
+    conn = AsyncRedis.from_url(redis_url, decode_responses=True)
+    with pytest.raises(ConfigError, match="without decode_responses") as caught:
+        AsyncClient(redis=conn)
+    assert "\n" not in str(caught.value)
+    asyncio.run(conn.aclose())
+
+
 def test_an_async_client_takes_a_connection_or_a_url_not_both(redis_url: str) -> None:
     conn = AsyncRedis.from_url(redis_url)
     for kw in ({"redis_url": redis_url}, {"url": redis_url}):
