@@ -203,6 +203,20 @@ def test_a_captured_graph_with_idle_sampler_or_logprob_slots_serves_a_greedy_bat
     assert len(decoder.graphs.entries) == 2
     logprob_entry = next(k for k in decoder.graphs.entries if k.logprob_slots)
     assert decoder.graphs.reusable(replace(logprob_entry, logprob_slots=0), decoder.pool.fits) == logprob_entry
+    assert_same(eager, static, greedy)  # now in the logprob entry (no idle sampler slots): the same tokens
+    assert len(decoder.graphs.entries) == 2
+    # One row asking, in an entry of 8 logprob slots (made by 5 rows asking): its record is the one its own
+    # 1-slot entry gave, and the rows not asking report none.
+    other = TokenRecorder(eager.config, device="cpu", decode="static", bases=eager.bases)
+    other_decoder = next(iter(other.decoders.values()))
+    other_decoder.graphs.idle_slots = 8
+    other.run([replace(j, logprobs=True) for j in greedy[:5]] + [greedy[5]])
+    (eight,) = other_decoder.graphs.entries
+    assert eight.logprob_slots == 8
+    want, got = static.run(asking), other.run(asking)
+    assert list(other_decoder.graphs.entries) == [eight]
+    assert got[5].logprobs is not None and got[5].logprobs == want[5].logprobs
+    assert all(r.logprobs is None for r in got[:5])
     decoder.graphs.idle_slots = 0
     assert decoder.graphs.reusable(replace(entry, samplers=0), decoder.pool.fits) == replace(entry, samplers=0)
 

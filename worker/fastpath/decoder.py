@@ -126,22 +126,24 @@ def causal_lm(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def choose_tokens(state: State, logits: torch.Tensor) -> None:
+def choose_tokens(state: State, logits: torch.Tensor, *, sampled: bool = True, reporting: bool = True) -> None:
     """Greedy choice (or each sampled row's draw) and bookkeeping, all on the device (no host sync): as HF's
     greedy search does it -- argmax of the float32 logits (converted a chunk of rows at a time), finished rows
     emit padding -- plus the chosen token's log-probability and non-finite rows forced to end (flagged, so their
     batch-mates carry on). Rows reporting logprobs are recorded from their own slots' logits (converting every
     row's logits to float32 at once for them held ~3 float32 vocabulary vectors a row in each step; the plan
     still sets that aside, see `worker.memory.plan_batch`), and every row's token is the one it gets in a
-    batch without them."""
+    batch without them. `sampled` / `reporting` False: the batch has no sampled (no reporting) rows, so a state's
+    idle slots (`GraphCache.reusable`) are skipped: run outside a graph (a take's first token), their float32
+    temporaries would be memory no plan counted."""
     token, logprob, finite = greedy_choice(logits, state.end_id)
-    if state.sampling is not None:
+    if state.sampling is not None and sampled:
         # Sampled rows draw from their own distribution (greedy rows keep the argmax above; only the sampler
         # slots' rows are converted to float32); a non-finite row still ends with `end_id`.
         token, logprob = draw_rows(logits, token, logprob, finite, state.sampling, state.step, filtered=state.filtered)
     state.bad |= ~finite & ~state.finished
     token = torch.where(state.finished, state.pad_id, token)
-    if state.reported is not None:
+    if state.reported is not None and reporting:
         state.reported.record(logits, token, state.step)
     state.tokens.index_copy_(1, state.step, token.unsqueeze(1))
     state.logprobs.index_copy_(1, state.step, logprob.unsqueeze(1))
@@ -342,7 +344,7 @@ class StaticDecoder:
         self._reset(state, rows, width, key.adapters if key.mixed else ())
         prefill_at = time.perf_counter()
         first = self.prefill.run(state.kv, rows, width=width, out_rows=state.rows, pad_id=pad_id, select=select)
-        choose_tokens(state, first)
+        choose_tokens(state, first, sampled=any(r.sampling is not None for r in rows), reporting=bool(asking))
         self.on_wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # one wait per batch, so the phase times below are the GPU's

@@ -197,7 +197,8 @@ class GraphCache:
         for more sampler (and logprob) slots (`_slots_serve`: idle slots draw and record nothing the batch reads,
         so greedy rows stay greedy), up to `reuse_slack` x the rows (its extra rows idle along) and up to
         `length_slack` x the cache length (the extra slots stay masked), whose rows x length the KV pool already
-        holds (`fits`: no memory beyond what is allocated, so no plan is exceeded). A capture costs ~0.5 s on the
+        holds (`fits`: no memory beyond what is allocated, so no plan is exceeded; a take's first token, chosen
+        outside the graph, skips idle slots: `choose_tokens`). A capture costs ~0.5 s on the
         H200; a step of 256 rows costs ~5% more than one of 224, and a few masked columns cost the attention
         almost nothing. Of several, the smallest serves."""
         fitting = [
