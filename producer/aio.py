@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from collections.abc import Iterable
 from functools import partial
 from typing import Any
@@ -24,7 +23,7 @@ from shared.conn import redis_url as url_or_default
 from shared.errors import ConfigError, WaitTimeoutError
 from shared.job import Job
 from shared.keys import DEFAULT_PREFIX, INTERACTIVE, Keys
-from shared.store import BatchRecord, batch_record, ended_kind, queue_record_reads, record_fields, stored_ended
+from shared.store import BatchRecord, batch_record, queue_record_reads, record_fields, recount_ended, stored_ended
 
 
 class AsyncClient:
@@ -85,9 +84,8 @@ class AsyncClient:
         fields = record_fields(self.keys, batch, raw, answered)
         ended = stored_ended(fields, answered)
         if ended is None:  # some other writer changed a counter: count the results instead, as `read_batch`
-            ended = Counter()
-            async for cid, row in self.redis.hscan_iter(self.keys.batch_results(batch)):
-                ended[ended_kind(cid, row)] += 1
+            items = {cid async for cid in self.redis.sscan_iter(self.keys.batch_item_set(batch))}
+            ended = recount_ended([pair async for pair in self.redis.hscan_iter(self.keys.batch_results(batch))], items)
         return batch_record(batch, fields, ended, running, total, submits, steps)
 
     @async_store_call

@@ -7,7 +7,7 @@ import math
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,6 +47,12 @@ local function notify_if_done(hash, ids, channel, outbox, batch, now, submits, r
   local done = redis.call('HLEN', results)
   local total = redis.call('SCARD', ids)
   if total == 0 or done < total then return 0 end
+  if redis.call('HEXISTS', hash, 'notified_at') == 1 then return 0 end
+  -- Every item answered, not only as many fields as items: a field no item owns (some other writer's) made the
+  -- size reach the count early. Once a batch, at its end (or while such a field stands).
+  for _, id in ipairs(redis.call('SMEMBERS', ids)) do
+    if redis.call('HEXISTS', results, id) == 0 then return 0 end
+  end
   if redis.call('HSETNX', hash, 'notified_at', now) == 0 then return 0 end
   redis.call('PUBLISH', channel, batch)
   local ot = redis.call('TYPE', outbox).ok
@@ -324,8 +330,15 @@ def read_batch(redis: Redis, keys: Keys, batch: str) -> BatchRecord:
     fields = record_fields(keys, batch, raw, answered)
     ended = stored_ended(fields, answered)
     if ended is None:
-        ended = Counter(ended_kind(cid, row) for cid, row in redis.hscan_iter(keys.batch_results(batch)))
+        items = set(redis.sscan_iter(keys.batch_item_set(batch)))
+        ended = recount_ended(redis.hscan_iter(keys.batch_results(batch)), items)
     return batch_record(batch, fields, ended, running, total, submits, steps)
+
+
+def recount_ended(results: Iterable[tuple[bytes, bytes]], items: set[bytes]) -> Counter[str]:
+    """The ended items by kind (`ended_kind`), counted from the results hash's fields of the batch's `items`: a
+    field no item owns (some other writer's) counts for nothing."""
+    return Counter(ended_kind(cid, row) for cid, row in results if cid in items)
 
 
 def queue_record_reads(pipe: Any, keys: Keys, batch: str) -> None:

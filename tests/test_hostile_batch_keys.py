@@ -179,6 +179,25 @@ def test_a_hostile_counter_neither_keeps_nor_makes_the_announcement(client: Clie
     assert [n["batch"] for n in notices].count(batch) <= 1  # announced once (a worker may have sent it already)
 
 
+def test_a_field_no_item_owns_neither_completes_nor_announces_a_batch(client: Client, redis: Redis) -> None:
+    """The results hash's size counted a field some other writer put there: two of three items answered read as a
+    complete batch, announced while the third was still queued."""
+    jobs = [{"custom_id": f"x{i}", "model": "laya", "prompt": "p"} for i in range(3)]
+    batch = client.submit_batch(jobs, escalate=False, notify_url="http://127.0.0.1:9/hook").id
+    redis.hset(K.batch_results(batch), "not-an-item", b"junk")
+    for cid in ("x0", "x1"):
+        failed = Result.failure(
+            custom_id=cid, model="laya", job_id=job_id(batch, cid), batch=batch, error_type=INTERNAL, message="m"
+        )
+        assert record_result(redis, K, failed)
+    assert redis.hget(K.batch(batch), "notified_at") is None
+    record = client.status(batch)
+    assert (record.counts.done, record.counts.failed, record.complete) == (2, 2, False)
+    worker(redis).work()
+    assert redis.hget(K.batch(batch), "notified_at") is not None
+    assert client.status(batch).complete
+
+
 class FailsWhileFlaky(FakeEngine):
     """Fails every Kev row whose prompt says FLAKY while `flaky` is set (an escalated item's follow-up too)."""
 
