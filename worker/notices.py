@@ -134,7 +134,10 @@ def _post(url: str, body: bytes) -> bool:
     """One try: True for a 2xx status within POST_TIMEOUT_S, all of it (resolve, connect, send, status line and
     headers; the answer's body is never read). A socket timeout bounds each read, not the answer: a receiver
     trickling a byte every few seconds held the notices thread, and every notice behind it, for as long as it
-    liked. So the try runs on a thread of its own, and at the deadline its connection is shut, ending it too."""
+    liked. So the try runs on a thread of its own, and at the deadline its connection, once made, is shut, ending
+    it too (a name lookup or a connect still under way ends at its own timeout, the try already counted failed).
+    An answer arriving just as the deadline passes counts as failed and is sent again: a notice comes at least
+    once."""
     attempt = _Attempt(url, body)
     thread = threading.Thread(target=attempt.run, daemon=True, name="notice-post")
     thread.start()
