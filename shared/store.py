@@ -336,9 +336,15 @@ def read_batch(redis: Redis, keys: Keys, batch: str) -> BatchRecord:
 
 
 def recount_ended(results: Iterable[tuple[bytes, bytes]], items: set[bytes]) -> Counter[str]:
-    """The ended items by kind (`ended_kind`), counted from the results hash's fields of the batch's `items`: a
-    field no item owns (some other writer's) counts for nothing."""
-    return Counter(ended_kind(cid, row) for cid, row in results if cid in items)
+    """The ended items by kind (`ended_kind`), and under "followups_done" those that count there
+    (`answers_escalated`), counted from the results hash's fields of the batch's `items`: a field no item owns
+    (some other writer's) counts for nothing."""
+    counts: Counter[str] = Counter()
+    for cid, row in results:
+        if cid in items:
+            counts[ended_kind(cid, row)] += 1
+            counts["followups_done"] += answers_escalated(cid, row)
+    return counts
 
 
 def queue_record_reads(pipe: Any, keys: Keys, batch: str) -> None:
@@ -378,10 +384,10 @@ _COUNT = re.compile(r"[0-9]{1,15}")  # what HINCRBY and the script's HSET write:
 def stored_ended(fields: dict[str, str], answered: int) -> dict[str, int] | None:
     """The ended-item counters when they agree with the `answered` results (HLEN); None when some other writer
     changed one: the caller counts the results instead (`ended_kind`), the one exact reading."""
-    values = [fields.get(name, "0") for name in ENDED]
+    values = [fields.get(name, "0") for name in (*ENDED, "followups_done")]
     if not all(_COUNT.fullmatch(v) for v in values):
         return None
-    counts = dict(zip(ENDED, map(int, values), strict=True))
+    counts = dict(zip(ENDED, map(int, values[: len(ENDED)]), strict=True))
     return counts if sum(counts.values()) == answered else None
 
 
@@ -412,7 +418,8 @@ def batch_record(
     """A batch's record from its fields (`record_fields`), its ended items by kind (`stored_ended`, else counted)
     and the sizes `queue_record_reads` read (a read that failed -- a key some writer gave another type -- counts
     as empty). Escalated items are the steps hash's size, which the `escalated` counter only mirrors (a forged
-    one showed items still queued as `finalizing`)."""
+    one showed items still queued as `finalizing`); follow-ups done are recounted with the ended items where
+    those were (`recount_ended`), else read from their counter."""
     running, total, submits, steps = (n if isinstance(n, int) else 0 for n in (running, total, submits, steps))
     finished, failed, cancelled, expired = (ended.get(name, 0) for name in ENDED)
     done = finished + failed + cancelled + expired
@@ -427,7 +434,7 @@ def batch_record(
         escalated=escalated,
         cancelled=cancelled,
         expired=expired,
-        followups_done=min(_num(h, "followups_done"), escalated),
+        followups_done=min(ended.get("followups_done", _num(h, "followups_done")), escalated),
     )
     return BatchRecord(
         id=batch,

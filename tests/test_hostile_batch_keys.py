@@ -198,6 +198,25 @@ def test_a_field_no_item_owns_neither_completes_nor_announces_a_batch(client: Cl
     assert client.status(batch).complete
 
 
+@pytest.mark.parametrize("value", [b"-1", b"junk", None])
+def test_a_hostile_follow_up_counter_is_recounted(client: Client, redis: Redis, value: bytes | None) -> None:
+    """Follow-ups done is recounted from the results with the ended items when those are (the counters disagree)
+    or when it is no plain count itself; a deleted one with the others sane reads as none done (a label's worth:
+    it never keeps a batch from completing)."""
+    jobs = [{"custom_id": f"x{i}", "model": "laya", "prompt": "unsure" if i else "p"} for i in range(3)]
+    batch = client.submit_batch(jobs).id
+    redis.hset(K.batch_results(batch), "not-an-item", b"junk")  # the counters disagree with the hash's size
+    worker(redis).work()
+    record = client.status(batch)
+    assert record.counts.followups_done == record.counts.escalated == 2
+    if value is None:
+        redis.hdel(K.batch(batch), "followups_done")
+    else:
+        redis.hset(K.batch(batch), "followups_done", value)
+    assert client.status(batch).counts.followups_done == record.counts.followups_done
+    assert client.status(batch).complete
+
+
 class FailsWhileFlaky(FakeEngine):
     """Fails every Kev row whose prompt says FLAKY while `flaky` is set (an escalated item's follow-up too)."""
 
