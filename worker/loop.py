@@ -172,6 +172,7 @@ class BatchWorker:
                     self.bridge.quarantine.put("worker loop", f"redis refused a command: {exc}", "")
                     self._stop.wait(1.0)
             self._settle_hands()
+            self._sweep_held()
         finally:
             self.helper.close()
             self.ready.clear()
@@ -216,9 +217,19 @@ class BatchWorker:
         self._give_back_ahead()
         self._write_unwritten()
 
+    def _sweep_held(self) -> None:
+        """Out of the held set: every mark but those of the takes this worker holds now (the one taken ahead, the
+        answers waiting to be written). Marks are added and removed steps apart, across two threads; whatever
+        failed in between (Redis down, a give-back refused) left one behind, removed here once Redis answers."""
+        keep = exec_ids(self._ahead.rows) if self._ahead is not None else []
+        if self._unwritten is not None:
+            keep += exec_ids(self._unwritten.rows)
+        self.bridge.sweep_held(keep=keep, ttl_s=self.settings.result_ttl_s)
+
     # ---- one pass of the loop -----------------------------------------------------------------
     def _step(self) -> bool:
         """One batch, or one idle poll. Returns False when a burst worker should exit."""
+        self._sweep_held()
         ahead, self._ahead = self._ahead, None
         if self._is_suspended():
             self._ahead = ahead

@@ -87,6 +87,7 @@ class RecoveryPass:
             for dead_take in takes.values():
                 self._recover_take(ref, dead_take)
             self.stats.recovered += len(self.bridge.unstick_intermediate(ref, older_than_s=STUCK_INTERMEDIATE_S))
+        self.bridge.prune_held()
         self._return_dead_senders_notices()
         self.bridge.cleanup_registries()
         trim_indexes(self.redis, self.keys, batch_age_s=batch_ttl_s, worker_age_s=WORKER_INDEX_AGE_S)

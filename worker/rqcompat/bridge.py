@@ -4,6 +4,7 @@ and reclaiming mixed in from their own modules."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 import zlib
@@ -96,6 +97,10 @@ class RQBridge(Registration, Reclaim):
         self._finish = redis.register_script(_FINISH_LUA)
         self._seq = 0
         self.exec_id = f"{worker_name}.{self.incarnation}.0"
+        # The execution ids this process has marked held and not yet seen unmarked (`mark_held`); the loop's and
+        # the helper's thread both mark.
+        self.held: set[str] = set()
+        self._held_lock = threading.Lock()
 
     # ---- queue facts for the policy -----------------------------------------------------------
     def queue_facts(self, *, move_aside: bool = True) -> dict[QueueRef, QueueFacts]:
@@ -282,21 +287,36 @@ class RQBridge(Registration, Reclaim):
     # ---- takes in hand but not running (worker.ahead) -----------------------------------------
     def mark_held(self, *, add: Sequence[str] = (), remove: Sequence[str] = (), ttl_s: int) -> None:
         """Execution ids into and out of this worker's held set (`Keys.held`) in one round trip. A key of
-        another type is moved aside and the marks made again."""
+        another type is moved aside and every mark of this process made again. This process's marks are kept in
+        `held` too: one counts as made from before the call (an error may hide that it was) and as removed only
+        once Redis said so, so `sweep_held` can remove whatever an error left behind."""
         if not add and not remove:
             return
         key = self.keys.held(self.worker_name)
-        for _ in range(2):
-            with self.redis.pipeline(transaction=False) as pipe:
-                if add:
-                    pipe.sadd(key, *add)
-                if remove:
-                    pipe.srem(key, *remove)
-                pipe.expire(key, ttl_s)
-                replies = pipe.execute(raise_on_error=False)
-            if not any(isinstance(r, redis.exceptions.ResponseError) for r in replies):
-                return
-            self.quarantine.move_key(key, "held set is not a set")
+        with self._held_lock:
+            self.held.update(add)
+            adds = list(add)
+            for _ in range(2):
+                with self.redis.pipeline(transaction=False) as pipe:
+                    if adds:
+                        pipe.sadd(key, *adds)
+                    if remove:
+                        pipe.srem(key, *remove)
+                    pipe.expire(key, ttl_s)
+                    replies = pipe.execute(raise_on_error=False)
+                if not any(isinstance(r, redis.exceptions.ResponseError) for r in replies):
+                    self.held.difference_update(remove)
+                    return
+                self.quarantine.move_key(key, "held set is not a set")
+                adds = sorted(self.held.difference(remove))  # moving it aside took the other marks too
+
+    def sweep_held(self, *, keep: Iterable[str], ttl_s: int) -> None:
+        """Every mark of this process out of its held set but `keep` (the takes it holds now): a step that failed
+        between marking a take and unmarking it (Redis down, a give-back refused) left its mark, which no later
+        step would remove, and each later mark renews the set's expiry."""
+        stale = self.held.difference(keep)
+        if stale:
+            self.mark_held(remove=sorted(stale), ttl_s=ttl_s)
 
     def give_back(self, ref: QueueRef, ids: Sequence[str], *, exec_id: str) -> None:
         """Jobs this worker took but will not run (a take made ahead that the next step does not want): back to

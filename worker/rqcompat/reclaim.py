@@ -100,6 +100,27 @@ class Reclaim:
             return set()
         return {m.decode("utf-8", "replace") for m in raw}
 
+    def prune_held(self) -> None:
+        """Marks an earlier process under our name left in the held set we now share (it died) for takes no started
+        registry holds any more (their jobs ended, or recovery returned them): nobody would remove them, and our
+        own marks renew the set's expiry. A mark whose take is still registered stays: recovery reads it."""
+        key = self.keys.held(self.worker_name)
+        ours = f"{self.worker_name}.{self.incarnation}."
+        theirs = {m for m in self.held_by(self.worker_name) if not m.startswith(ours)}
+        if not theirs:
+            return
+        registered: set[str] = set()
+        for registry in self.started.values():
+            with contextlib.suppress(redis.exceptions.ResponseError):  # recovery moves such a registry aside
+                for member in self.redis.zrange(registry.key, 0, -1):
+                    parsed = _parse_member(member)
+                    if parsed is not None:
+                        registered.add(parsed[1])
+        spent = theirs - registered
+        if spent:
+            with contextlib.suppress(redis.exceptions.ResponseError):
+                self.redis.srem(key, *sorted(spent))
+
     def crash_counts(self, ids: Sequence[str]) -> dict[str, int]:
         with self.redis.pipeline(transaction=False) as pipe:
             for job_id in ids:
