@@ -3,13 +3,16 @@ queued again while a take still holds it, run twice (fake engine, in-process wor
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from rq.job import Job as RQJob
 
 from producer.client import Client
-from shared.keys import Keys, QueueRef
+from shared.keys import Keys, QueueRef, job_id
+from tests.fakes import FakeEngine, SimulatedCrash
 from tests.test_ahead import FirstRunWaits, held_ids, items
 from tests.worker_helpers import assert_each_item_answered_once
 from worker.loop import BatchWorker
@@ -86,3 +89,52 @@ def test_a_restart_under_the_same_name_clears_the_dead_processes_spent_marks(red
     alive.mark_held(add=[mine], ttl_s=60)
     alive.prune_held()
     assert held_ids(redis) == {kept.encode(), mine.encode()}
+
+
+# ---- a job id queued twice ----------------------------------------------------------------------------------------
+def test_a_job_queued_again_while_a_take_holds_it_runs_once(client: Client, redis: Redis) -> None:
+    """j0 is pushed again behind the first take. The take made ahead meets that copy while the first take still runs
+    it (its answer is not written yet): the copy is dropped, not run a second time."""
+    handle = client.submit_batch(items(16), escalate=False)
+    queue = client.queue("laya").key
+    redis.linsert(queue, "BEFORE", job_id(handle.id, "j8"), job_id(handle.id, "j0"))
+    engine = FirstRunWaits(redis, rows=8)
+    worker = BatchWorker(redis, engine, engine.config, WorkerSettings(burst=True, name="w1", idle_poll_s=0.02))
+    worker.work()
+    assert sorted(engine.answered) == sorted(f"j{i}" for i in range(16))
+    assert_each_item_answered_once(client, redis, handle.id, 16)
+    assert int(redis.get(K.counter("duplicate_final_results")) or 0) == 0
+    assert redis.zcard(client.queue("laya").started_job_registry.key) == 0
+
+
+def test_a_second_copy_is_not_taken_while_the_first_is_registered(redis: Redis) -> None:
+    """At the bridge: two takes (two workers, or one worker's take ahead) each meet a copy of j0; the second take
+    skips it while the first take's started entry stands, whatever the hash's status says, in any lane's queue; once
+    that entry is gone (finished, or given back) a copy is taken as any job is."""
+    one, two = RQBridge(redis, K, ["laya"], "w1"), RQBridge(redis, K, ["laya"], "w2")
+    redis.hset(RQJob.key_for("j0"), mapping={"status": "queued"})
+    redis.rpush(one.queues[LAYA].key, "j0", "j1", "j0", "j2")
+    first = one.begin_batch()
+    assert one.take(LAYA, 1, ttl_s=60, exec_id=first) == ["j0"]
+    redis.hset(RQJob.key_for("j0"), "status", "queued")  # another writer's edit changes nothing
+    assert two.take(LAYA, 8, ttl_s=60) == ["j1", "j2"]
+    assert redis.llen(one.queues[LAYA].key) == 0
+    interactive = QueueRef("laya", "interactive")
+    redis.rpush(one.queues[interactive].key, "j0")
+    assert two.take(interactive, 8, ttl_s=60) == []
+    one.give_back(LAYA, ["j0"], exec_id=first)  # its entry gone: the job is queued again, once
+    assert two.take(LAYA, 8, ttl_s=60) == ["j0"]
+
+
+def test_a_copy_met_while_the_first_takes_worker_is_dead_is_recovered_once(client: Client, redis: Redis) -> None:
+    """The worker running j0 dies; a copy of j0 is met before recovery returns the dead take: the copy is dropped and
+    recovery's group runs j0, once."""
+    handle = client.submit_batch(items(4), escalate=False)
+    with contextlib.suppress(SimulatedCrash):
+        BatchWorker(redis, FakeEngine(rows=4, crash_once=True), FakeEngine().config, quick(take_ahead=False)).work()
+    redis.rpush(client.queue("laya").key, job_id(handle.id, "j0"))
+    engine = FakeEngine(rows=4)
+    stats = BatchWorker(redis, engine, engine.config, quick(take_ahead=False)).work()
+    assert stats.crashes_survived == 1
+    assert sorted(engine.answered) == sorted(f"j{i}" for i in range(4))
+    assert_each_item_answered_once(client, redis, handle.id, 4)

@@ -189,6 +189,7 @@ class RQBridge(Registration, Reclaim):
                     _JOB_PREFIX,
                     self.keys.workers(),
                     self.keys.idle_workers(),
+                    *self._registries(),
                 ],
                 args=[
                     n,
@@ -203,7 +204,9 @@ class RQBridge(Registration, Reclaim):
         except redis.exceptions.ResponseError as exc:
             self._bad_take(ref, exc)
             return SharedTake([], n)
-        return SharedTake(self._screen(ref, raw[1:], where=self.queues[ref].key, exec_id=exec_id), int(raw[0]))
+        where = self.queues[ref].key
+        ids = self._screen(ref, self._dropped(raw[1:], where=where), where=where, exec_id=exec_id)
+        return SharedTake(ids, int(raw[0]))
 
     def take_group(self, ref: QueueRef, *, ttl_s: float, exec_id: str | None = None) -> SuspectTake | None:
         """Atomically pop one suspect group, register its jobs as started and leave the idle set; None when there is
@@ -216,6 +219,7 @@ class RQBridge(Registration, Reclaim):
                     self.started[ref].key,
                     _JOB_PREFIX,
                     self.keys.idle_workers(),
+                    *self._registries(),
                 ],
                 args=[time.time() + ttl_s, exec_id, self.worker_name, rq_now()],
             )
@@ -224,14 +228,27 @@ class RQBridge(Registration, Reclaim):
             return None
         if not raw:
             return None
-        record, ids = raw[0], raw[1:]
+        where = self.keys.suspects(ref.model, ref.lane)
+        record, ids = raw[0], self._dropped(raw[1:], where=where)
         try:
             dead = bool(orjson.loads(record).get("dead"))
         except (orjson.JSONDecodeError, AttributeError):
-            self.quarantine.put(self.keys.suspects(ref.model, ref.lane), "suspect group is not a JSON record", record)
+            self.quarantine.put(where, "suspect group is not a JSON record", record)
             dead = False
-        good = self._screen(ref, ids, where=self.keys.suspects(ref.model, ref.lane), exec_id=exec_id)
+        good = self._screen(ref, ids, where=where, exec_id=exec_id)
         return SuspectTake(self.load(good), dead=dead)
+
+    def _registries(self) -> list[str]:
+        """Every queue's started registry: a take drops a copy of a job that any of them holds (scripts.held_now)."""
+        return [registry.key for registry in self.started.values()]
+
+    def _dropped(self, raw: Sequence[bytes], *, where: str) -> list[bytes]:
+        """A take script's reply past its first field ({n dropped, dropped id..., id...}): the ids taken. Each
+        copy it dropped (a job a take held then) is logged and recorded in the quarantine list."""
+        n = int(raw[0])
+        for job_id in raw[1 : 1 + n]:
+            self.quarantine.put(where, "job queued again while a take held it; this copy dropped", job_id)
+        return list(raw[1 + n :])
 
     def _bad_take(self, ref: QueueRef, exc: redis.exceptions.ResponseError, *, key: str | None = None) -> None:
         if "KEVLAYA_BAD_REGISTRY" in str(exc):

@@ -21,6 +21,9 @@ CRASHES_FIELD = "kevlaya_crashes"  # how many times a worker died while running 
 # Set when a worker records the job as failed; a job taken while it is set was requeued after failing (`rq
 # requeue`, or retry-failed) and runs again -- unlike a job whose answer was written before a crash.
 FAILED_FIELD = "kevlaya_failed"
+# The started entry ('<job id>:<execution id>') of the take that last took this job: while that entry stands, a copy
+# of the id met in a queue is dropped, not run a second time (worker.rqcompat.scripts).
+TAKEN_FIELD = "kevlaya_taken"
 MAX_DATA_BYTES = 4 << 20  # a job's inflated payload; real ones are < 200 KiB (shared.job.Limits)
 
 

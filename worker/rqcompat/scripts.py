@@ -1,12 +1,21 @@
 """The Lua scripts that touch RQ's keys, each atomic: take (sharing a queue's tail), take a suspect group, recover,
 requeue."""
 
-# Marks this job hash as started by us. A hash of another type, or a garbage attempts field, is left alone
-# (pcall): one hostile key must not abort the script after it has popped other jobs.
+from worker.rqcompat.decode import TAKEN_FIELD
+
+# Marks this job hash as started by us, naming the started entry that holds it (TAKEN_FIELD). A hash of another
+# type, or a garbage attempts field, is left alone (pcall): one hostile key must not abort the script after it has
+# popped other jobs.
+# A job id can be queued while a take still holds it (pushed twice, `rq requeue` of a job that runs, a copy left in
+# another lane's queue): that copy is dropped, or the job ran twice. It is held while the entry its hash names still
+# stands in a started registry (`regs`: every queue's, passed after a script's own KEYS; producers cannot write
+# them). The hash's own fields prove nothing (any writer can set `status`): a forged name of another job's entry, or
+# of an entry gone, holds nothing, so no edit of a hash can keep its job from running.
 _MARK_STARTED_LUA = """
-local function mark(jk, now, worker)
+local function mark(jk, now, worker, member)
   if redis.call('TYPE', jk).ok == 'hash' then
-    redis.pcall('HSET', jk, 'status', 'started', 'started_at', now, 'worker_name', worker, 'last_heartbeat', now)
+    redis.pcall('HSET', jk, 'status', 'started', 'started_at', now, 'worker_name', worker, 'last_heartbeat', now,
+      'TAKEN_FIELD', member)
     redis.pcall('HINCRBY', jk, 'kevlaya_attempts', 1)
   end
 end
@@ -14,7 +23,23 @@ local function registry_ok(key)
   local t = redis.call('TYPE', key).ok
   return t == 'zset' or t == 'none'
 end
-"""
+local function zsets(keys, from)
+  local out = {}
+  for i = from, #keys do
+    if redis.call('TYPE', keys[i]).ok == 'zset' then out[#out + 1] = keys[i] end
+  end
+  return out
+end
+local function held_now(jk, id, regs)
+  if redis.call('TYPE', jk).ok ~= 'hash' then return false end
+  local member = redis.call('HGET', jk, 'TAKEN_FIELD')
+  if not member or string.sub(member, 1, #id + 1) ~= id .. ':' then return false end
+  for _, reg in ipairs(regs) do
+    if redis.call('ZSCORE', reg, member) then return true end
+  end
+  return false
+end
+""".replace("TAKEN_FIELD", TAKEN_FIELD)
 
 # worker.tail's rule, which stays its one definition: the take script applies it where it pops, and
 # tests/test_supervisor.py checks the two agree. Lua numbers are doubles: ceil of a quotient of integers is exact
@@ -56,8 +81,10 @@ end
 
 # Takes this worker's share of a queue: the share (from the queue's depth and the live idle peers), the pop, the
 # started registry and leaving the idle set are one step. Decided before the script, a peer taking in between
-# left a stale depth and still counted as idle: the take came out a quarter, not a half. Returns {limit, id...}.
-# KEYS: queue list, started registry, job key prefix, live workers, idle workers.
+# left a stale depth and still counted as idle: the take came out a quarter, not a half. A copy of a job a take
+# holds now is popped and dropped (`held_now`), not counted in the take (as many such as the take's rows, at most,
+# a call). Returns {limit, n dropped, dropped id..., id...}.
+# KEYS: queue list, started registry, job key prefix, live workers, idle workers, then every started registry.
 # ARGV: capacity, score (expiry), exec id, worker, now string, live since ('': share with nobody), '1' for a take
 # ahead (worker.ahead): nothing while a live peer is idle, who would run those jobs now, nor, beside busy live
 # peers, while the queue holds less than a take for each worker (near its end a peer would idle meanwhile).
@@ -70,20 +97,29 @@ if not registry_ok(KEYS[2]) then return redis.error_reply('KEVLAYA_BAD_REGISTRY'
 local peers = 0
 if ARGV[6] ~= '' then peers = idle_peers(KEYS[4], KEYS[5], ARGV[4], tonumber(ARGV[6])) end
 if ARGV[7] == '1' then
-  if peers > 0 then return {0} end
+  if peers > 0 then return {0, 0} end
   local others = live_peers(KEYS[4], ARGV[4], tonumber(ARGV[6]))
-  if others > 0 and redis.call('LLEN', KEYS[1]) < tonumber(ARGV[1]) * (1 + others) then return {0} end
+  if others > 0 and redis.call('LLEN', KEYS[1]) < tonumber(ARGV[1]) * (1 + others) then return {0, 0} end
 end
 local limit = tail_take(tonumber(ARGV[1]), redis.call('LLEN', KEYS[1]), peers)
-local out = {limit}
-for i = 1, limit do
+local regs = zsets(KEYS, 6)
+local ids, dropped = {}, {}
+while #ids < limit and #dropped < limit do
   local id = redis.call('LPOP', KEYS[1])
   if not id then break end
-  redis.call('ZADD', KEYS[2], ARGV[2], id .. ':' .. ARGV[3])
-  mark(KEYS[3] .. id, ARGV[5], ARGV[4])
-  out[#out + 1] = id
+  if held_now(KEYS[3] .. id, id, regs) then
+    dropped[#dropped + 1] = id
+  else
+    local member = id .. ':' .. ARGV[3]
+    redis.call('ZADD', KEYS[2], ARGV[2], member)
+    mark(KEYS[3] .. id, ARGV[5], ARGV[4], member)
+    ids[#ids + 1] = id
+  end
 end
-if #out > 1 then leave_idle(KEYS[5], ARGV[4]) end
+if #ids > 0 then leave_idle(KEYS[5], ARGV[4]) end
+local out = {limit, #dropped}
+for _, id in ipairs(dropped) do out[#out + 1] = id end
+for _, id in ipairs(ids) do out[#out + 1] = id end
 return out
 """
 )
@@ -91,8 +127,10 @@ return out
 # The live idle peers of a worker (as a take counts them). KEYS: live workers, idle workers. ARGV: worker, live since.
 _IDLE_PEERS_LUA = _IDLE_LUA + "return idle_peers(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]))"
 
-# Pops one suspect group, registers its jobs as started and leaves the idle set, atomically. Returns {record, id...}.
-# KEYS: suspects list, started registry, job key prefix, idle workers. ARGV: score, exec id, worker, now string.
+# Pops one suspect group, registers its jobs as started and leaves the idle set, atomically; a job a take holds now
+# is dropped from it (as in the take). Returns {record, n dropped, dropped id..., id...}.
+# KEYS: suspects list, started registry, job key prefix, idle workers, then every started registry.
+# ARGV: score, exec id, worker, now string.
 _TAKE_GROUP_LUA = (
     _MARK_STARTED_LUA
     + _IDLE_LUA
@@ -100,17 +138,26 @@ _TAKE_GROUP_LUA = (
 if not registry_ok(KEYS[2]) then return redis.error_reply('KEVLAYA_BAD_REGISTRY') end
 local raw = redis.call('LPOP', KEYS[1])
 if not raw then return {} end
-local out = {raw}
 local ok, rec = pcall(cjson.decode, raw)
-if not ok or type(rec) ~= 'table' or type(rec['ids']) ~= 'table' then return out end
+if not ok or type(rec) ~= 'table' or type(rec['ids']) ~= 'table' then return {raw, 0} end
+local regs = zsets(KEYS, 5)
+local ids, dropped = {}, {}
 for _, id in ipairs(rec['ids']) do
   if type(id) == 'string' then
-    redis.call('ZADD', KEYS[2], ARGV[1], id .. ':' .. ARGV[2])
-    mark(KEYS[3] .. id, ARGV[4], ARGV[3])
-    out[#out + 1] = id
+    if held_now(KEYS[3] .. id, id, regs) then
+      dropped[#dropped + 1] = id
+    else
+      local member = id .. ':' .. ARGV[2]
+      redis.call('ZADD', KEYS[2], ARGV[1], member)
+      mark(KEYS[3] .. id, ARGV[4], ARGV[3], member)
+      ids[#ids + 1] = id
+    end
   end
 end
-if #out > 1 then leave_idle(KEYS[4], ARGV[3]) end
+if #ids > 0 then leave_idle(KEYS[4], ARGV[3]) end
+local out = {raw, #dropped}
+for _, id in ipairs(dropped) do out[#out + 1] = id end
+for _, id in ipairs(ids) do out[#out + 1] = id end
 return out
 """
 )
