@@ -138,3 +138,20 @@ def test_a_copy_met_while_the_first_takes_worker_is_dead_is_recovered_once(clien
     assert stats.crashes_survived == 1
     assert sorted(engine.answered) == sorted(f"j{i}" for i in range(4))
     assert_each_item_answered_once(client, redis, handle.id, 4)
+
+
+def test_a_job_hash_carrying_another_items_payload_neither_answers_it_nor_runs_it_twice(
+    client: Client, redis: Redis
+) -> None:
+    """Another writer copies j2's data into j1's hash: j1's job would run as j2 (j2 run twice, its item answered by
+    whichever came first) and j1's item would never end. The job is refused, and its own item ends with that error."""
+    handle = client.submit_batch(items(4), escalate=False)
+    own, other = RQJob.key_for(job_id(handle.id, "j1")), RQJob.key_for(job_id(handle.id, "j2"))
+    redis.hset(own, "data", redis.hget(other, "data"))
+    engine = FakeEngine(rows=8)
+    BatchWorker(redis, engine, engine.config, WorkerSettings(burst=True, name="w1", idle_poll_s=0.02)).work()
+    assert sorted(engine.answered) == ["j0", "j2", "j3"]
+    rows = {r["custom_id"]: r for r in assert_each_item_answered_once(client, redis, handle.id, 4)}
+    assert rows["j1"]["error"]["type"] == "bad_payload"
+    assert rows["j2"]["job_id"] == job_id(handle.id, "j2") and not rows["j2"].get("error")
+    assert int(redis.get(K.counter("duplicate_final_results")) or 0) == 0

@@ -20,7 +20,7 @@ from redis import Redis
 from shared.enqueue import EnqueueSettings, Entry, enqueue_absent, queues_for
 from shared.errors import BAD_PAYLOAD, CANCELLED, EXPIRED, WORKER_DIED, ValidationError
 from shared.job import Job
-from shared.keys import BATCH_ID_RE, Keys, QueueRef, job_id
+from shared.keys import BATCH_ID_RE, Keys, QueueRef, followup_id, job_id
 from shared.result import Result
 from shared.store import BatchFlags, batch_flags, promote_step, record_results, reopen_failed
 from worker.config import ModelsConfig
@@ -159,6 +159,13 @@ class Settler:
             return replace(row, result=self.failure_from(row, BAD_PAYLOAD, f"invalid payload: {exc}"))
         except Exception as exc:  # any bytes can be in Redis: whatever the validator trips on fails this job only
             return replace(row, result=self.failure_from(row, BAD_PAYLOAD, f"unreadable payload: {type(exc).__name__}"))
+        if job.batch is not None and not names_this_job(raw.id, job):
+            # Another item's payload in this job's hash: run, it answered that item (run a second time) and this one
+            # never. Its own item is found from its id (the payload read as none) and ends with this error.
+            message = f"its payload is item {job.custom_id!r}'s of batch {job.batch}, not this job's"
+            return replace(
+                row, result=self.failure_from(replace(row, raw=replace(raw, payload=None)), BAD_PAYLOAD, message)
+            )
         if job.model != row.model:
             if job.model in self.config.models:  # its own queue runs it; an error here would end its item
                 return replace(row, job=job, foreign=True)
@@ -421,6 +428,16 @@ class Settler:
         for (ref, exec_id), done in by_take.items():
             self.bridge.finish(ref, done, ttl_s=ttl_s, exec_id=exec_id)
         return Written(created, duplicates)
+
+
+def names_this_job(rq_id: str, job: Job) -> bool:
+    """Whether a batch job's payload is its own: kevlaya derives every such job's id from its item (shared.keys),
+    and a follow-up's from the job it escalates."""
+    if job.parent is None:
+        return rq_id == job_id(job.batch or "", job.custom_id)
+    own = job_id(job.batch or "", job.custom_id)
+    parent = job.parent.job_id
+    return rq_id == followup_id(parent, job.model) and (parent == own or parent.startswith(f"{own}-"))
 
 
 def by_batch(rows: Sequence[Row]) -> dict[str, list[str]]:
