@@ -300,3 +300,49 @@ def test_each_take_has_its_own_peak_and_the_engine_and_a_marked_window_keep_the_
         assert take.headroom_bytes == (6 * 1024 - 512 - peak_mib) * MIB
     assert budget.peak_since_mark() == 700 * MIB
     assert budget.peak_bytes() == 900 * MIB
+
+
+class FakeAllocator:
+    """torch.cuda's live and held figures: what tensors hold and what the allocator holds (cached pieces too)."""
+
+    def __init__(self, allocated: int, reserved: int) -> None:
+        self.allocated = allocated
+        self.reserved = reserved
+
+    def memory_allocated(self, device: object = None) -> int:
+        return self.allocated
+
+    def memory_reserved(self, device: object = None) -> int:
+        return self.reserved
+
+
+def test_a_chunk_grows_only_into_memory_no_cached_piece_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The room a prefill chunk may grow into counts every piece the allocator holds cached now as taken, not
+    only what it held at the last refresh: pieces left by a take's own staging did not hold a larger chunk's
+    transients (the H100 edge workloads' out-of-memory errors); with nothing cached the room is the free
+    budget, and a refresh's figure is never undercut."""
+    from tests.test_memory import QWEN_1_5B
+    from worker.memory import ModelShape, prefill_chunk_tokens_within
+    from worker.planner import MemoryBudget
+
+    shape = ModelShape.from_dict(QWEN_1_5B)
+    fake = FakeAllocator(allocated=3 * 1024 * MIB, reserved=3 * 1024 * MIB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", fake.memory_allocated)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", fake.memory_reserved)
+    budget = MemoryBudget(torch.device("cuda"), 6 * 1024 * MIB)
+    budget.outside_allocator_bytes = 512 * MIB
+
+    def room() -> int | None:
+        return budget.prefill_chunk_room(shape, 32768, dtype_bytes=2)
+
+    def within(free: int) -> int:
+        return prefill_chunk_tokens_within(shape, free, held_tokens=32768, dtype_bytes=2)
+
+    free = 6 * 1024 * MIB - 512 * MIB - budget.reserve_bytes - 3 * 1024 * MIB
+    assert room() == within(free) > 0
+    fake.reserved += 1024 * MIB  # a gigabyte cached in pieces since the refresh
+    assert room() == within(free - 1024 * MIB) < within(free)
+    fake.reserved -= 1024 * MIB
+    budget.pooled_bytes = 512 * MIB  # the refresh saw the graphs' pool: still counted with nothing else cached
+    assert room() == within(free - 512 * MIB)
+    assert MemoryBudget(torch.device("cpu"), None).prefill_chunk_room(shape, 0, dtype_bytes=2) is None

@@ -249,14 +249,20 @@ class MemoryBudget:
     def prefill_chunk_room(self, shape: ModelShape, held_tokens: int, *, dtype_bytes: int) -> int | None:
         """CUDA: the prompt tokens a chunk of the loop's own prefill may hold now (`prefill_chunk_tokens_within`),
         in what the allocator may still take under its cap: its slack kept, and what it holds that no new
-        allocation can use as of the last `refresh` (`pooled_bytes`: the graphs' pool above all) counted as
-        taken. Asked as a take's prefill starts, with its KV and logits allocated: the plan set aside a chunk of
-        the loop's `prefill_tokens` for it, and a take planned below the budget leaves more (the estimates
-        carry margins; a take may hold fewer rows than fit). Elsewhere None."""
+        allocation can use counted as taken: everything it holds cached now, free pieces of segments included,
+        and never less than at the last `refresh` (`pooled_bytes`: the graphs' pool above all). Cached pieces
+        are counted whole because a larger chunk's transients need large blocks, and the pieces left after the
+        refresh by the take's own staging (its KV and logits placed among transients) did not hold them: on
+        the H100 edge workloads, counting only the refresh's figure upsized Laya chunks to 8,192 tokens that
+        then failed a 280 MiB allocation with ~1 GiB cached in pieces. Asked as a take's prefill starts, with
+        its KV and logits allocated: the plan set aside a chunk of the loop's `prefill_tokens` for it (never
+        less is run), and a take planned below the budget leaves more (the estimates carry margins; a take may
+        hold fewer rows than fit). Elsewhere None."""
         if self.device.type != "cuda":
             return None
         allocated = self.allocated_bytes()
-        free = self.plannable_bytes - self.reserve_bytes - allocated - self.pooled_bytes
+        cached = max(self.pooled_bytes, int(torch.cuda.memory_reserved(self.device)) - allocated)
+        free = self.plannable_bytes - self.reserve_bytes - allocated - cached
         return prefill_chunk_tokens_within(shape, free, held_tokens=held_tokens, dtype_bytes=dtype_bytes)
 
     def allocated_bytes(self) -> int:
