@@ -143,7 +143,9 @@ class BatchWorker:
         notifier = None
         if self.settings.notify_allow:
             allow = self.settings.notify_allow
-            notifier = Notifier(self.redis, self.keys, self.name, allow=allow, stop=self._stop).start()
+            notifier = Notifier(
+                self.redis, self.keys, self.name, allow=allow, stop=self._stop, on_redis_down=self.presence.redis_down
+            ).start()
         self._log_models()
         self.ready.set()
         log.info("worker %s started (burst=%s)", self.name, self.settings.burst)
@@ -154,15 +156,15 @@ class BatchWorker:
                     if not self._step():
                         break
                     down_since = None
+                    self.presence.redis_up()
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
                     # Whatever this batch had not written stays registered as started; its heartbeat now
                     # lapses, and recovery requeues it once Redis is back. Nothing is lost, nothing doubled.
                     self._let_go()
                     down_since = time.monotonic() if down_since is None else down_since
+                    self.presence.redis_down(exc, retry_in_s=1.0)  # one line per outage, not per retry
                     if self.presence.gives_up(down_since):
                         raise  # a burst run ends: the command names the Redis and exits non-zero
-                    log.warning("redis unavailable (%s); retrying", exc)
-                    self.presence.redis_ok_since = time.time()
                     self._stop.wait(1.0)
                 except redis.exceptions.ResponseError as exc:
                     # A key some writer replaced with another type where no check caught it: the take's
@@ -402,7 +404,10 @@ class BatchWorker:
         try:
             return self._take_ahead_now(current)
         except redis.exceptions.RedisError as exc:
-            log.warning("taking ahead failed (%s); the next step takes as usual", exc)
+            if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+                self.presence.redis_down(exc)  # the outage's one line, if the loop has not said it yet
+            else:
+                log.warning("taking ahead failed (%s); the next step takes as usual", exc)
             with self._lock:
                 self._held_ahead = []
             return None

@@ -11,13 +11,14 @@ import socket
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import orjson
 import redis.exceptions
 from redis import Redis
+from redis.exceptions import RedisError
 
 from shared.keys import Keys
 from shared.quarantine import Quarantine, clear_the_way
@@ -53,8 +54,20 @@ def allowed(url: str, allow: Sequence[str]) -> bool:
 class Notifier:
     """A daemon thread: takes notices from the outbox reliably (LMOVE into its own list) and POSTs them."""
 
-    def __init__(self, redis: Redis, keys: Keys, worker: str, *, allow: Sequence[str], stop: threading.Event) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        worker: str,
+        *,
+        allow: Sequence[str],
+        stop: threading.Event,
+        on_redis_down: Callable[[RedisError], None] | None = None,
+    ) -> None:
         self.redis = redis
+        # Where a Redis that cannot be reached is reported: the worker's (worker.presence) says it once per outage,
+        # where this thread's own warning came once a second for as long as the outage lasted.
+        self.on_redis_down = on_redis_down
         self.keys = keys
         self.allow = tuple(allow)
         self.stop = stop
@@ -94,7 +107,12 @@ class Notifier:
                     self._clear_the_way()
                 self.stop.wait(1.0)
             except redis.exceptions.RedisError as exc:
-                log.warning("notices: redis unavailable (%s)", exc)
+                if self.on_redis_down is not None and isinstance(
+                    exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+                ):
+                    self.on_redis_down(exc)
+                else:
+                    log.warning("notices: redis unavailable (%s)", exc)
                 self.stop.wait(1.0)
 
     def _requeue_leftovers(self) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import redis.exceptions
 from redis import Redis
 
-from shared.conn import redis_problem
+from shared.conn import redis_problem, url_of
 from shared.errors import RedisUnavailableError
 from shared.keys import Keys
 from worker.rqcompat import RQBridge
@@ -53,6 +53,9 @@ class Presence:
         self.stop = stop
         self.in_flight = in_flight
         self.redis_ok_since = time.time()  # reset on every Redis error (recovery waits a TTL after one)
+        # When the outage now going on was first met (monotonic), by the loop, the start-up or the heartbeat thread.
+        self._down_since: float | None = None
+        self._outage_lock = threading.Lock()
         self.rq_worker: Any = None
         self._beat: threading.Thread | None = None
 
@@ -62,23 +65,64 @@ class Presence:
         delay, since = REDIS_RETRY_FIRST_S, time.monotonic()
         while True:
             try:
-                return fn()
+                value = fn()
             except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as exc:
                 raise RedisUnavailableError(redis_problem(exc)) from exc  # retrying cannot fix a credential
             except redis.exceptions.ConnectionError as exc:
+                self.redis_down(exc, retry_in_s=delay)
                 if self.stop.is_set() or self.gives_up(since):
                     raise
-                log.warning("redis unavailable (%s); retrying in %.1f s", exc, delay)
                 # A stop (SIGTERM) ends the wait at once: sleeping out a 10 s backoff, then trying once more
                 # (a connect that can itself take the socket timeout) outlasts `docker stop`'s grace period.
                 if self.stop.wait(delay):
                     raise
                 delay = min(delay * 2, REDIS_RETRY_MAX_S)
+            else:
+                self.redis_up()
+                return value
 
     def gives_up(self, down_since: float) -> bool:
         """Whether a worker that has found Redis down since `down_since` (monotonic) stops waiting: a burst one, at
         BURST_REDIS_WAIT_S."""
         return self.settings.burst and time.monotonic() - down_since >= BURST_REDIS_WAIT_S
+
+    def redis_down(self, exc: redis.exceptions.RedisError, *, retry_in_s: float | None = None) -> None:
+        """Note a Redis that could not be reached (by the loop, the start-up or the heartbeat thread). Only the
+        outage's first error is a warning, saying what a burst run will do; each one after it is debug. A warning
+        per retry (every second from the loop, every beat from the heartbeat) put a dozen lines before a burst
+        run's one-line error in a cron mail, and one a second into a long-lived worker's log for the whole outage."""
+        self.redis_ok_since = time.time()
+        with self._outage_lock:
+            first = self._down_since is None
+            if first:
+                self._down_since = time.monotonic()
+        if not first:
+            log.debug(
+                "redis still unavailable (%s)%s", exc, "" if retry_in_s is None else f"; retrying in {retry_in_s:.1f} s"
+            )
+        elif self.settings.burst:
+            log.warning(
+                "redis at %s unavailable (%s); retrying, giving up after %g s", self._where(), exc, BURST_REDIS_WAIT_S
+            )
+        else:
+            log.warning("redis at %s unavailable (%s); retrying until it is back", self._where(), exc)
+
+    def redis_up(self) -> None:
+        """Note a Redis call that worked: an outage going on ends, in one line."""
+        if self._down_since is None:  # the common case, without the lock: one read of one attribute
+            return
+        with self._outage_lock:
+            since, self._down_since = self._down_since, None
+        if since is not None:
+            log.info("redis at %s is back after %.1f s", self._where(), time.monotonic() - since)
+
+    @property
+    def redis_down_now(self) -> bool:
+        """Whether an outage is going on (its first error seen, no call working since)."""
+        return self._down_since is not None
+
+    def _where(self) -> str:
+        return url_of(self.redis) if self.redis is not None else "(no connection)"
 
     def arrive(self) -> None:
         """Register (taking over a dead registration of our name), beat once, start the heartbeat thread."""
@@ -114,8 +158,10 @@ class Presence:
         try:
             self.redis.zrem(self.keys.idle_workers(), self.bridge.worker_name)
             self.rq_worker.register_death()
-        except redis.exceptions.RedisError:
-            log.warning("could not register death (redis unavailable)")
+        except redis.exceptions.RedisError as exc:
+            # Said already, in the outage's one line, when Redis is what the worker is stopping for.
+            level = logging.DEBUG if self.redis_down_now else logging.WARNING
+            log.log(level, "could not register death (%s)", exc)
 
     def _seen(self) -> None:
         """Our heartbeat in the workers index. That index of another type (some other writer's) is moved aside:
@@ -138,6 +184,10 @@ class Presence:
                 for hand in self.in_flight():
                     ttl = self.settings.job_heartbeat_ttl_s
                     self.bridge.heartbeat(hand.ref, hand.ids, ttl_s=ttl, exec_id=hand.exec_id or None)
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                self.redis_down(exc, retry_in_s=self.settings.heartbeat_interval_s)
             except redis.exceptions.RedisError as exc:
                 self.redis_ok_since = time.time()
                 log.warning("heartbeat failed: %s", exc)
+            else:
+                self.redis_up()
