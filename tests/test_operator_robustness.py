@@ -4,6 +4,8 @@ documented exit code (README, "Exit codes"), never a traceback or a loop."""
 
 from __future__ import annotations
 
+import logging
+import subprocess
 import sys
 import threading
 import time
@@ -24,6 +26,7 @@ from shared.errors import EXIT_OK, EXIT_REDIS, EXIT_USAGE
 from shared.keys import Keys
 from tests.fakes import FAKE_CONFIG, FakeEngine
 from tests.test_operator_edges import FailsFirst, items
+from tests.worker_helpers import wait_until
 from worker import presence, supervisor
 from worker.loop import BatchWorker
 from worker.metrics import HealthServer
@@ -205,8 +208,12 @@ def test_a_burst_worker_gives_up_on_a_redis_that_is_down(
     assert "Traceback" not in err
 
 
-def test_a_burst_worker_gives_up_when_redis_goes_down_mid_run(short_burst_wait: float) -> None:
-    """Redis gone while a take runs: the loop retried every second for good, burst or not."""
+def test_a_burst_worker_gives_up_when_redis_goes_down_mid_run(
+    short_burst_wait: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis gone while a take runs: the loop retried every second for good, burst or not. It warned at each retry,
+    the heartbeat at each beat, and the stop that it could not register its death: now one warning says it all."""
+    caplog.set_level(logging.INFO, logger="kevlaya.worker")
     with EmbeddedRedis() as server:
         conn = Redis.from_url(server.url)
         Client(redis=conn).submit_batch(items(2))
@@ -229,6 +236,68 @@ def test_a_burst_worker_gives_up_when_redis_goes_down_mid_run(short_burst_wait: 
         thread.join(timeout=20)
         assert not thread.is_alive()
         assert ended and isinstance(ended[0], (RedisConnectionError, RedisTimeoutError))
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "unavailable" in warned[0] and "giving up after 1 s" in warned[0], warned
+
+
+# `kevlaya worker` with the fake engine, a burst worker giving up on Redis after 1 s: in a process of its own, so its
+# stderr is what an operator's terminal or cron mail gets (logging's own handler, not pytest's capture).
+FAKE_WORKER_CLI = """
+import worker.config, worker.engine
+from tests.fakes import FAKE_CONFIG, FakeEngine
+from worker import presence
+presence.BURST_REDIS_WAIT_S = 1.0
+worker.config.load_config = lambda path: FAKE_CONFIG
+worker.engine.Engine = lambda *args, **kwargs: FakeEngine()
+from producer.cli import main
+main()
+"""
+
+
+def burst_worker_stderr(*args: str) -> tuple[int, list[str]]:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    command = [sys.executable, "-c", FAKE_WORKER_CLI, "--redis-url", url, "worker", "--config", "m.toml", "--burst"]
+    done = subprocess.run(
+        [*command, *args], capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1]
+    )
+    return done.returncode, done.stderr.splitlines()
+
+
+def test_a_burst_worker_on_a_dead_redis_says_one_line_then_its_error() -> None:
+    """Each retry was a WARNING line (five in the 15.5 s of a real run) above the one-line error: a wall of
+    noise in a cron mail. Now one line says what is down and when the run gives up, then the error; each retry is
+    still there at --log-level debug."""
+    code, lines = burst_worker_stderr("--take-ahead", "off")
+    assert code == EXIT_REDIS
+    assert len(lines) == 2, lines
+    assert "WARNING" in lines[0] and "unavailable" in lines[0] and "giving up after 1 s" in lines[0]
+    assert lines[1].startswith("error: cannot reach Redis at ")
+    code, lines = burst_worker_stderr("--take-ahead", "off", "--log-level", "debug")
+    assert code == EXIT_REDIS and lines[-1].startswith("error: cannot reach Redis at ")
+    assert [line for line in lines if "still unavailable" in line]
+
+
+def test_a_long_lived_worker_says_when_an_outage_starts_and_ends(caplog: pytest.LogCaptureFixture) -> None:
+    """It warned once a second from the loop and once a beat from the heartbeat for as long as Redis was down (a
+    night's outage: tens of thousands of lines), and never said when Redis was back."""
+    caplog.set_level(logging.DEBUG, logger="kevlaya.worker")
+    with EmbeddedRedis() as server:
+        conn = Redis.from_url(server.url)
+        worker = BatchWorker(conn, FakeEngine(), FAKE_CONFIG, WorkerSettings(take_ahead=False))
+        thread = threading.Thread(target=worker.work, daemon=True)
+        thread.start()
+        wait_until(worker.ready.is_set, timeout_s=10)
+        server.stop()
+        time.sleep(4.0)  # four of the loop's retries, one of the heartbeat's at least
+        server.start()
+        wait_until(lambda: any("is back" in r.getMessage() for r in caplog.records), timeout_s=10)
+        worker.request_stop()
+        thread.join(timeout=10)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    warned = [m for level, m in said if level >= logging.WARNING]
+    assert len(warned) == 1 and server.url in warned[0] and "until it is back" in warned[0], warned
+    assert len([m for level, m in said if level == logging.INFO and "is back after" in m]) == 1
+    assert len([m for level, m in said if level == logging.DEBUG and "still unavailable" in m]) >= 3
 
 
 @pytest.mark.parametrize("burst", [True, False])
