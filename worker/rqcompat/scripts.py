@@ -39,6 +39,24 @@ local function held_now(jk, id, regs)
   end
   return false
 end
+-- One popped job into the take (registered started, marked) or, held by a take now, among the dropped.
+local function start_or_drop(id, prefix, regs, registry, score, exec, now, worker, ids, dropped)
+  if held_now(prefix .. id, id, regs) then
+    dropped[#dropped + 1] = id
+    return
+  end
+  local member = id .. ':' .. exec
+  redis.call('ZADD', registry, score, member)
+  mark(prefix .. id, now, worker, member)
+  ids[#ids + 1] = id
+end
+-- A take script's answer: {head, n dropped, dropped id..., id...}.
+local function taken(head, ids, dropped)
+  local out = {head, #dropped}
+  for _, id in ipairs(dropped) do out[#out + 1] = id end
+  for _, id in ipairs(ids) do out[#out + 1] = id end
+  return out
+end
 """.replace("TAKEN_FIELD", TAKEN_FIELD)
 
 # worker.tail's rule, which stays its one definition: the take script applies it where it pops, and
@@ -107,20 +125,10 @@ local ids, dropped = {}, {}
 while #ids < limit and #dropped < limit do
   local id = redis.call('LPOP', KEYS[1])
   if not id then break end
-  if held_now(KEYS[3] .. id, id, regs) then
-    dropped[#dropped + 1] = id
-  else
-    local member = id .. ':' .. ARGV[3]
-    redis.call('ZADD', KEYS[2], ARGV[2], member)
-    mark(KEYS[3] .. id, ARGV[5], ARGV[4], member)
-    ids[#ids + 1] = id
-  end
+  start_or_drop(id, KEYS[3], regs, KEYS[2], ARGV[2], ARGV[3], ARGV[5], ARGV[4], ids, dropped)
 end
 if #ids > 0 then leave_idle(KEYS[5], ARGV[4]) end
-local out = {limit, #dropped}
-for _, id in ipairs(dropped) do out[#out + 1] = id end
-for _, id in ipairs(ids) do out[#out + 1] = id end
-return out
+return taken(limit, ids, dropped)
 """
 )
 
@@ -144,21 +152,11 @@ local regs = zsets(KEYS, 5)
 local ids, dropped = {}, {}
 for _, id in ipairs(rec['ids']) do
   if type(id) == 'string' then
-    if held_now(KEYS[3] .. id, id, regs) then
-      dropped[#dropped + 1] = id
-    else
-      local member = id .. ':' .. ARGV[2]
-      redis.call('ZADD', KEYS[2], ARGV[1], member)
-      mark(KEYS[3] .. id, ARGV[4], ARGV[3], member)
-      ids[#ids + 1] = id
-    end
+    start_or_drop(id, KEYS[3], regs, KEYS[2], ARGV[1], ARGV[2], ARGV[4], ARGV[3], ids, dropped)
   end
 end
 if #ids > 0 then leave_idle(KEYS[4], ARGV[3]) end
-local out = {raw, #dropped}
-for _, id in ipairs(dropped) do out[#out + 1] = id end
-for _, id in ipairs(ids) do out[#out + 1] = id end
-return out
+return taken(raw, ids, dropped)
 """
 )
 
