@@ -50,7 +50,7 @@ from shared.store import (
     notify_if_done,
     promote_step,
     record_result,
-    stored_result,
+    stored_field,
     text_of,
 )
 from shared.wrongtype import expecting
@@ -334,11 +334,11 @@ class Client(BatchReads):
                     # the rest of the transaction applied, and a negative one went further below zero.
                     failures = escalated = 0
                     for cid, raw in pipe.hscan_iter(results):
-                        failures += ended_kind(cid, raw) == "failed"
-                        escalated += answers_escalated(cid, raw)
-                        row = retryable(batch, cid, raw)
-                        if row is not None:
-                            failed[row["job_id"]] = row
+                        stored = stored_field(cid, raw)
+                        failures += ended_kind(stored) == "failed"
+                        escalated += answers_escalated(stored)
+                        if stored is not None and retryable(batch, stored):
+                            failed[stored["job_id"]] = stored
                     jobs = stored_jobs(self.redis, list(failed))
                     if not jobs:
                         return 0
@@ -395,12 +395,11 @@ class Client(BatchReads):
         return cancelled
 
 
-def retryable(batch: str, field: bytes, raw: bytes) -> dict[str, Any] | None:
-    """The stored failure of one item that `retry_failed` runs again, or None: an answer, a cancelled or
-    expired item, or a value no job of this item wrote (left as it is: every byte in Redis is untrusted; a
-    failure naming another batch's job requeued that job, and this item never got an answer again)."""
-    custom_id = text_of(field)
-    row = None if custom_id is None else stored_result(custom_id, raw)
-    if row is None or row.get("error") is None or row["error"]["type"] in (CANCELLED, EXPIRED):
-        return None
-    return row if answers_item(batch, custom_id, row["job_id"]) else None
+def retryable(batch: str, row: dict[str, Any]) -> bool:
+    """Whether a stored result (`stored_field`) is a failure of its item that `retry_failed` runs again: not an
+    answer, a cancelled or expired item, or a value no job of this item wrote (left as it is: every byte in Redis
+    is untrusted; a failure naming another batch's job requeued that job, and this item never got an answer
+    again)."""
+    if row.get("error") is None or row["error"]["type"] in (CANCELLED, EXPIRED):
+        return False
+    return answers_item(batch, row["custom_id"], row["job_id"])

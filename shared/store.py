@@ -342,8 +342,9 @@ def recount_ended(results: Iterable[tuple[bytes, bytes]], items: set[bytes]) -> 
     counts: Counter[str] = Counter()
     for cid, row in results:
         if cid in items:
-            counts[ended_kind(cid, row)] += 1
-            counts["followups_done"] += answers_escalated(cid, row)
+            stored = stored_field(cid, row)
+            counts[ended_kind(stored)] += 1
+            counts["followups_done"] += answers_escalated(stored)
     return counts
 
 
@@ -391,11 +392,17 @@ def stored_ended(fields: dict[str, str], answered: int) -> dict[str, int] | None
     return counts if sum(counts.values()) == answered else None
 
 
-def ended_kind(field: bytes, raw: bytes) -> str:
-    """The counter (ENDED) a stored final result counts in, as the script counted it when written: one no
-    result of its item (`result_row` shows it as that item's `bad_payload` error) counts as failed."""
+def stored_field(field: bytes, raw: bytes) -> dict[str, Any] | None:
+    """A results-hash field's stored result (`stored_result`), or None where the field or value is no result of
+    an item."""
     custom_id = text_of(field)
-    row = None if custom_id is None else stored_result(custom_id, raw)
+    return None if custom_id is None else stored_result(custom_id, raw)
+
+
+def ended_kind(row: dict[str, Any] | None) -> str:
+    """The counter (ENDED) a stored final result (`stored_field`) counts in, as the script counted it when
+    written: one no result of its item (None; `result_row` shows it as that item's `bad_payload` error) counts
+    as failed."""
     if row is None:
         return "failed"
     error = row.get("error")
@@ -404,11 +411,10 @@ def ended_kind(field: bytes, raw: bytes) -> str:
     return error["type"] if error["type"] in (CANCELLED, EXPIRED) else "failed"
 
 
-def answers_escalated(field: bytes, raw: bytes) -> bool:
-    """Whether a stored final result counts in `followups_done`, as the script counted it when written: the final
-    answer of an item that escalated (its follow-up's, or its own answer kept when the follow-up was cancelled)."""
-    custom_id = text_of(field)
-    row = None if custom_id is None else stored_result(custom_id, raw)
+def answers_escalated(row: dict[str, Any] | None) -> bool:
+    """Whether a stored final result (`stored_field`) counts in `followups_done`, as the script counted it when
+    written: the final answer of an item that escalated (its follow-up's, or its own answer kept when the
+    follow-up was cancelled)."""
     return row is not None and bool(row.get("escalated_from") or row.get("not_escalated"))
 
 
