@@ -264,6 +264,48 @@ def test_matmuls_in_row_blocks_give_the_same_cache_and_logits(
     assert blocked_rows and all(m % 8 == 0 for m in blocked_rows)
 
 
+@pytest.mark.parametrize("merge_lora", [True, False])
+def test_the_mlp_in_blocks_of_a_few_tokens_gives_the_same_cache_and_logits(
+    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch, merge_lora: bool
+) -> None:
+    """The MLP run over spans of each chunk's sequence (`Stack._mlp_in_blocks`: at most 7 tokens a block here, a
+    GPU's 2,048 scaled to the tiny chunks; single-row and many-row chunks, both adapters masked per row and
+    merged) against the reference with the MLP whole: the same cache and logits, within the dtype's rounding."""
+    stack = decoder.stack
+    seen: list[tuple[int, int]] = []  # (rows, tokens a row) of each MLP call
+    whole = type(stack)._mlp_down
+
+    def recording(layer: Layer, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        seen.append((x.shape[0], x.shape[-2]))
+        return whole(layer, x, *args)
+
+    monkeypatch.setattr(type(stack), "_mlp_down", staticmethod(recording))
+    rows = decode_rows()
+    width = max(len(r.ids) for r in rows)
+    vocab = stack.head.out_features
+    kv_new, kv_old = fresh_kv(decoder, len(rows), width + 4), fresh_kv(decoder, len(rows), width + 4)
+    decoder.prefill.merge_lora = merge_lora
+    try:
+        with torch.inference_mode():
+            stack.mlp_block_tokens = 7
+            new = decoder.prefill.run(kv_new, rows, width=width, out_rows=len(rows), pad_id=0, select=_no_fallback)
+            blocked = list(seen)
+            stack.mlp_block_tokens = 1 << 30
+            old = torch.zeros(len(rows), vocab, dtype=stack.head.weight.dtype)
+            chunk_major(decoder.prefill, kv_old, rows, width, 0, old)
+    finally:
+        decoder.prefill.merge_lora = True
+        stack.mlp_block_tokens = weights_module.PREFILL_MLP_BLOCK_TOKENS
+    assert blocked and all(n * t <= max(7, n) for n, t in blocked)  # no call past its block (a row at least)
+    assert any(t > 7 for _, t in seen[len(blocked) :])  # the reference ran whole spans
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if stack.dtype == torch.bfloat16 else {}
+    for (ka, va), (kb, vb) in zip(kv_new, kv_old, strict=True):
+        torch.testing.assert_close(ka, kb, **tolerance)
+        torch.testing.assert_close(va, vb, **tolerance)
+    torch.testing.assert_close(new, old, **tolerance)
+    assert torch.equal(new.argmax(-1), old.argmax(-1))
+
+
 @pytest.mark.parametrize("loop", THROUGH_GEMM, indirect=True)
 def test_the_warm_up_runs_a_layers_four_matmuls_and_the_lm_head_at_each_row_count(
     decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch

@@ -35,6 +35,10 @@ PREFILL_MARGIN = 1.15
 # Prefill's matmuls run at row counts that are multiples of this block (worker/fastpath/gemm.py), and a chunk's
 # activations hold room for their rows up to the next multiple: what a chunk sets aside counts that many tokens more.
 PREFILL_ROW_BLOCK = 256
+# The loop's MLP runs a chunk's tokens in blocks of at most this many (worker/fastpath/weights.py
+# `Stack._mlp_in_blocks`): its gate/up output and their product, ~74% of a chunk's transients a token, are set
+# aside for a block, not the chunk. A multiple of `PREFILL_ROW_BLOCK`, so a block's matmuls pad no rows past it.
+PREFILL_MLP_BLOCK_TOKENS = 2048
 # A decode graph's own per-row buffers over its cache length (worker/fastpath/graphs.py State): the chosen
 # tokens (int64), their log-probabilities (float32) and the attention mask (bool).
 STATE_BYTES_PER_CACHE_TOKEN = 8 + 4 + 1
@@ -117,6 +121,14 @@ class ModelShape:
     def prefill_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """Transient activations per prompt token during prefill (MLP gate/up/act dominate)."""
         return (3 * self.intermediate + 6 * self.hidden) * dtype_bytes
+
+    def prefill_chunk_activation_bytes(self, tokens: int, dtype_bytes: int = 2) -> int:
+        """Transient activations of a chunk of `tokens` in the loop's own prefill: the attention's side a token
+        (`prefill_bytes_per_token` less the MLP's), and the MLP's gate/up and their product for at most
+        `PREFILL_MLP_BLOCK_TOKENS` of them (it runs in blocks of that many; a block's own input and output, two
+        hidden-size vectors a token, lie within the margin)."""
+        mlp = min(tokens, PREFILL_MLP_BLOCK_TOKENS)
+        return (tokens * 6 * self.hidden + mlp * 3 * self.intermediate) * dtype_bytes
 
     def prefill_held_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """What the static loop's layer-major prefill (worker/fastpath/prefill.py) holds per (padded) prompt
@@ -231,10 +243,10 @@ def prefill_chunk_bytes(
     model's own forward: its chunk's K/V in a cache of its own, copied over, and (without flash attention) the
     score matrices of the chunk's rows, all with the estimates' safety factor."""
     weights = (1 if flash and one_adapter else 2) * shape.layer_weight_bytes(dtype_bytes)
-    activations = chunk_tokens * shape.prefill_bytes_per_token(dtype_bytes)
     if flash:
-        room = PREFILL_ROW_BLOCK * shape.prefill_bytes_per_token(dtype_bytes)  # its rows padded to the block
-        return int((activations + room) * PREFILL_MARGIN) + weights
+        padded = chunk_tokens + PREFILL_ROW_BLOCK  # its rows padded to the matmuls' block
+        return int(shape.prefill_chunk_activation_bytes(padded, dtype_bytes) * PREFILL_MARGIN) + weights
+    activations = chunk_tokens * shape.prefill_bytes_per_token(dtype_bytes)
     chunk = activations + chunk_tokens * shape.kv_bytes_per_token(dtype_bytes) + weights
     chunk += max(1, chunk_tokens // max(1, input_tokens)) * shape.attention_bytes_per_row(input_tokens)
     return int(chunk * SAFETY_FACTOR)
@@ -251,12 +263,18 @@ def prefill_chunk_tokens_within(shape: ModelShape, free_bytes: int, *, held_toke
     left = free_bytes - held_tokens * shape.prefill_held_bytes_per_token(dtype_bytes) - chunk(0)
     if left <= 0:
         return 0
-    tokens = int(left / (shape.prefill_bytes_per_token(dtype_bytes) * PREFILL_MARGIN))  # within a token or two
-    while chunk(tokens + 1) - chunk(0) <= left:
-        tokens += 1
-    while tokens > 0 and chunk(tokens) - chunk(0) > left:
-        tokens -= 1
-    return tokens
+
+    def fits(tokens: int) -> bool:
+        return chunk(tokens) - chunk(0) <= left
+
+    # The set-aside grows with the tokens, by steps that change where the MLP's blocks are full: a bisection.
+    low, high = 0, 1
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def plan_batch(

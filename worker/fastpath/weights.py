@@ -15,6 +15,7 @@ from worker.fastpath import nf4, pointwise
 from worker.fastpath.gemm import ROW_BLOCK, add_matmul_, linear
 from worker.fastpath.ops import DEFAULT_OPS, Ops, OpsOptions, norm_of
 from worker.fastpath.quant4 import Layout4bit, float_absmax
+from worker.memory import PREFILL_MLP_BLOCK_TOKENS
 
 # Where the loop runs 4-bit weights by bitsandbytes' ops itself (scales decoded once, one dequantise op). On the
 # CPU bitsandbytes repacks a 4-bit weight for its own kernel at its first call: left to that (tests that need
@@ -514,6 +515,8 @@ class Stack:
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        # The most tokens the MLP runs at once (`_mlp_in_blocks`); what the planner sets aside per chunk for it.
+        self.mlp_block_tokens = PREFILL_MLP_BLOCK_TOKENS
 
     @property
     def groups(self) -> int:
@@ -597,7 +600,29 @@ class Stack:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLP, its residual, and the next norm's output (the second half of `rest`)."""
         ops = ops or self.ops
-        (gate, up), _ = layer.gate_up(x, masks, dense[2])
+        down = self._mlp_in_blocks(layer, x, masks, dense, ops)
         # The next layer's input, held between prefill's layers: no room for padded rows (its matmul runs in two).
-        down = layer.down(ops.act_mul(layer.act, gate, up), masks, dense[3])
         return ops.add_norm(h, down, next_norm, room=False)
+
+    def _mlp_in_blocks(self, layer: Layer, x: torch.Tensor, masks: Masks, dense: Dense, ops: Ops) -> torch.Tensor:
+        """The MLP's output for `x` (rows, T, hidden), its tokens in blocks of at most `mlp_block_tokens` (spans
+        of the sequence for every row: a row's LoRA mask applies to any span of it). Its gate/up output and their
+        product are ~3.5x a chunk's other transients a token: run whole, an 8,192-token chunk asked for one
+        280 MiB block, which failed among held states under a 6 GiB budget on the H100 with ~1 GiB free in
+        smaller pieces. In blocks, a chunk's largest transient is a block's gate/up (~70 MiB at 2,048 tokens for
+        a Qwen2.5-1.5B shape); each block's matmuls still run at a block's rows, and each row's result is the
+        same as whole (rows are independent)."""
+        rows, width = x.shape[0], x.shape[-2]
+        span = max(1, self.mlp_block_tokens // max(1, rows))
+        if x.dim() != 3 or span >= width:
+            return self._mlp_down(layer, x, masks, dense, ops)
+        out = x.new_empty(x.shape)
+        for start in range(0, width, span):
+            part = x[:, start : start + span].contiguous()
+            out[:, start : start + span] = self._mlp_down(layer, part, masks, dense, ops)
+        return out
+
+    @staticmethod
+    def _mlp_down(layer: Layer, x: torch.Tensor, masks: Masks, dense: Dense, ops: Ops) -> torch.Tensor:
+        (gate, up), _ = layer.gate_up(x, masks, dense[2])
+        return layer.down(ops.act_mul(layer.act, gate, up), masks, dense[3])
