@@ -23,7 +23,9 @@ sizes (the loop's default 32,768; 0: each chunk alone). `--chunks` the chunk siz
 choice, 4,096 tokens or up to 8,192 where the memory free as the take's prefill starts holds them). `--prefixes`
 the fewest tokens every row of a take must share for prefill to run them once (worker/fastpath/prefix.py; the
 loop's default 16; 0: off), each variant on a fresh set of kept prefixes, so its warm-up run makes them; each run
-reports the prefixes it made (`prefixes_made`).
+reports the prefixes it made (`prefixes_made`). `--mlp-blocks` the most tokens the MLP runs at once (the loop's
+default 2,048; 0: a chunk's whole), named in a run's cell only where it is not the default; the plan's set-aside
+(`chunk planned`) is always the default's.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from worker.config import load_config
 from worker.engine import Engine
 from worker.fastpath.prefill import MAX_CHUNK_TOKENS
 from worker.fastpath.prefix import MIN_TOKENS, PrefixCache
-from worker.memory import MIB, parse_bytes, prefill_chunk_bytes
+from worker.memory import MIB, PREFILL_MLP_BLOCK_TOKENS, parse_bytes, prefill_chunk_bytes
 
 
 def workloads(engine: Engine, rows: int) -> dict[str, list[Job]]:
@@ -181,12 +183,18 @@ def prefixes_made(engine: Engine) -> int:
 
 
 def use_variant(
-    engine: Engine, ops: str, chunk_tokens: int, group_tokens: int, prefix_tokens: int = MIN_TOKENS
+    engine: Engine,
+    ops: str,
+    chunk_tokens: int,
+    group_tokens: int,
+    prefix_tokens: int = MIN_TOKENS,
+    mlp_block_tokens: int = PREFILL_MLP_BLOCK_TOKENS,
 ) -> None:
     """`chunk_tokens` 0: the loop's default (chunks of 4,096 tokens, up to `MAX_CHUNK_TOKENS` where memory holds
     them); otherwise chunks of exactly that size. `prefix_tokens`: the fewest shared tokens run once (0: off), on
-    a fresh set of kept prefixes."""
+    a fresh set of kept prefixes. `mlp_block_tokens`: the most tokens the MLP runs at once (0: whole)."""
     for decoder in engine.decoders.values():
+        decoder.stack.mlp_block_tokens = mlp_block_tokens or 1 << 40
         decoder.prefill.prefixes = PrefixCache(min_tokens=prefix_tokens)
         decoder.prefill.tokens = chunk_tokens or 4096
         decoder.prefill.max_tokens = chunk_tokens or MAX_CHUNK_TOKENS
@@ -211,6 +219,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--prefixes", default=str(MIN_TOKENS), help="fewest shared prefix tokens run once, to compare (0: off)"
     )
+    parser.add_argument(
+        "--mlp-blocks",
+        default=str(PREFILL_MLP_BLOCK_TOKENS),
+        help="most tokens the MLP runs at once, to compare (0: a chunk's whole)",
+    )
     parser.add_argument("--only", default="nightly,long,choices,mixed", help="workloads to run (also: mixed-choices)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
@@ -233,17 +246,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     loads = {k: v for k, v in workloads(engine, args.rows).items() if k in args.only.split(",")}
     report: dict[str, Any] = {"hardware": hardware(args.device, budget), "shape": args.shape, "runs": []}
     for op in ops:
-        for chunk, group, shared in itertools.product(ints(args.chunks), ints(args.groups), ints(args.prefixes)):
-            use_variant(engine, op, chunk, group, shared)
+        variants = itertools.product(ints(args.chunks), ints(args.groups), ints(args.prefixes), ints(args.mlp_blocks))
+        for chunk, group, shared, mlp in variants:
+            use_variant(engine, op, chunk, group, shared, mlp)
             for name, jobs in loads.items():
                 figures = timed(engine, jobs, args.device, args.repeats)
                 ran = all(d.prefill.ops.kernels for d in engine.decoders.values())
                 r = {"ops": op, "chunk_tokens": chunk, "group_tokens": group, "prefix_tokens": shared, "workload": name}
+                r["mlp_block_tokens"] = mlp
                 r |= figures
                 r["kernels_ran"] = ran
                 report["runs"].append(r)
                 print("prefill", r, flush=True)
-    use_variant(engine, ops[0], ints(args.chunks)[0], ints(args.groups)[0], ints(args.prefixes)[0])
+    use_variant(engine, ops[0], *(ints(a)[0] for a in (args.chunks, args.groups, args.prefixes, args.mlp_blocks)))
     for name, jobs in loads.items():
         if args.profile and args.device.startswith("cuda"):
             kernel_profile(engine, jobs, Path(args.out), f"prefill-{name}")
@@ -264,8 +279,10 @@ def cell(r: dict[str, Any]) -> str:
     """One run's figures in the row: the chunk size named (`auto (N)`: the loop's own choice, N what it ran)."""
     chunk = r["chunk_tokens"] or f"auto ({r['chunk_tokens_run']})"
     fell_back = "" if r["kernels_ran"] == (r["ops"] == "kernels") else " (FELL BACK)"
+    mlp = r.get("mlp_block_tokens", PREFILL_MLP_BLOCK_TOKENS)
+    blocks = "" if mlp == PREFILL_MLP_BLOCK_TOKENS else f" MLP {'whole' if not mlp else f'in {mlp}'}"
     return (
-        f"{r['workload']} {r['ops']}{fell_back} {chunk}/{r['group_tokens']}/{r['prefix_tokens']}: "
+        f"{r['workload']} {r['ops']}{fell_back} {chunk}/{r['group_tokens']}/{r['prefix_tokens']}{blocks}: "
         f"{r['tokens_per_s']} tok/s "
         f"({r['wall_s']:.3f} s, {phase(r)} {r['phases_s'].get(phase(r), 0):.3f} s, peak +{r['peak_above_start_mib']} "
         f"MiB: held {r['held_mib']}, logits {r['logits_mib']}, chunk planned {r['planned_chunk_mib']})"

@@ -53,6 +53,21 @@ def test_the_shared_prefix_variants_run_the_same_prompts(tmp_path: Path, monkeyp
     assert "nightly compiled 256/1024/0" in (tmp_path / "RESULTS.md").read_text()
 
 
+def test_the_mlp_block_variants_run_the_same_prompts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--mlp-blocks 2048,0,8`: the loop's default blocks, the MLP whole and in blocks of 8 tokens; each cell
+    names a variant that is not the default."""
+    monkeypatch.setattr(bench.common, "RESULTS_MD", tmp_path / "RESULTS.md")
+    args = ["--device", "cpu", "--shape", "tiny", "--rows", "8", "--chunks", "256", "--groups", "1024"]
+    args += ["--ops", "compiled", "--mlp-blocks", "2048,0,8", "--only", "nightly,choices", "--repeats", "1"]
+    report = prefill.main([*args, "--out", str(tmp_path / "out")])
+    runs = report["runs"]
+    assert sorted(r["mlp_block_tokens"] for r in runs) == [0, 0, 8, 8, 2048, 2048]
+    for workload in ("nightly", "choices"):
+        assert len({r["prompt_tokens"] for r in runs if r["workload"] == workload}) == 1
+    row = (tmp_path / "RESULTS.md").read_text()
+    assert "nightly compiled 256/1024/16:" in row and "256/1024/16 MLP whole:" in row and "/16 MLP in 8:" in row
+
+
 def test_our_kernels_variant_runs_them_where_they_run(tmp_path: Path) -> None:
     """Under Triton's interpreter (the CPU) the `kernels` variant's prefill calls ours and says so."""
     out = run_interpreted(

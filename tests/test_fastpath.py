@@ -205,8 +205,8 @@ def test_a_captured_graph_with_idle_sampler_or_logprob_slots_serves_a_greedy_bat
     assert decoder.graphs.reusable(replace(logprob_entry, logprob_slots=0), decoder.pool.fits) == logprob_entry
     assert_same(eager, static, greedy)  # now in the logprob entry (no idle sampler slots): the same tokens
     assert len(decoder.graphs.entries) == 2
-    # One row asking, in an entry of 8 logprob slots (made by 5 rows asking): its record is the one its own
-    # 1-slot entry gave, and the rows not asking report none.
+    # One row asking, in an entry of 8 logprob slots made by 5 rows asking: its record is the one the entry its
+    # own batch made gave, and the rows not asking report none.
     other = TokenRecorder(eager.config, device="cpu", decode="static", bases=eager.bases)
     other_decoder = next(iter(other.decoders.values()))
     other_decoder.graphs.idle_slots = 8
@@ -219,6 +219,30 @@ def test_a_captured_graph_with_idle_sampler_or_logprob_slots_serves_a_greedy_bat
     assert all(r.logprobs is None for r in got[:5])
     decoder.graphs.idle_slots = 0
     assert decoder.graphs.reusable(replace(entry, samplers=0), decoder.pool.fits) == replace(entry, samplers=0)
+
+
+def test_takes_of_one_to_eight_rows_asking_for_logprobs_share_one_graph(
+    pair: tuple[TokenRecorder, TokenRecorder],
+) -> None:
+    """Logprob slots are bucketed as sampler slots (at least 8): takes of 1, 3 and 8 asking rows (and none) run
+    in one entry, an asking row's record the same whoever else asks; 9 asking rows get an entry of 16."""
+    from worker.fastpath.decoder import logprob_slots
+
+    assert [logprob_slots(n) for n in (0, 1, 2, 7, 8, 9, 16, 17)] == [0, 8, 8, 8, 8, 16, 16, 24]
+    eager = pair[0]
+    static = TokenRecorder(eager.config, device="cpu", decode="static", bases=eager.bases)
+    decoder = next(iter(static.decoders.values()))
+    greedy = batch("laya", 10)
+    records = []
+    for asking in (1, 3, 8):
+        out = static.run([replace(j, logprobs=i < asking) for i, j in enumerate(greedy[:8])])
+        records.append(out[0].logprobs)
+        assert all((r.logprobs is not None) == (i < asking) for i, r in enumerate(out))
+    assert records[0] is not None and records[0] == records[1] == records[2]
+    assert_same(eager, static, greedy[:8])
+    assert {k.logprob_slots for k in decoder.graphs.entries} - {0} == {8}  # (0: the greedy batch's, no graphs)
+    static.run([replace(j, logprobs=i < 9) for i, j in enumerate(greedy)])
+    assert 16 in {k.logprob_slots for k in decoder.graphs.entries}  # (its larger KV pool dropped the others)
 
 
 def test_deadline_fails_rows_it_cut_short(tiny_models: Path) -> None:

@@ -27,7 +27,11 @@ log = logging.getLogger("kevlaya.fastpath")
 # steps of 8 below 128 make it 72 + 72 + 56. Steps of 16 from 128 to 256 (6% or less of a take).
 ROW_BUCKETS = (1, 2, 4, 8, *range(16, 128, 8), *range(128, 257, 16), 288, 320, 352, 384, 448, 512)
 LENGTH_QUANTUM = 64  # cache lengths are multiples of this (aligned SDPA masks, few distinct graphs)
-MAX_GRAPHS = 12  # captured graphs kept (least recently used dropped); each pins its static buffers
+# Captured graphs kept (least recently used dropped); each pins its static buffers (a few MiB: tokens, log-
+# probabilities and mask over its rows x length, its slots), its step's temporaries in the shared pool. 12 were
+# full in the H100's edge workloads (Laya and Kev takes of several lengths, greedy, sampled and logprob rows):
+# each capture there dropped a graph a later take captured again.
+MAX_GRAPHS = 20
 ROW_SLACK = 1.5  # a captured graph of up to this many times a batch's rows serves it (see `GraphCache.reusable`)
 # A captured graph with up to this many idle sampler (or logprob) slots serves a batch that needs none (or few):
 # an idle slot's draw or record is one row's work over the vocabulary, discarded, where a capture costs 0.2-0.5 s
