@@ -24,7 +24,7 @@ choice, 4,096 tokens or up to 8,192 where the memory free as the take's prefill 
 the fewest tokens every row of a take must share for prefill to run them once (worker/fastpath/prefix.py; the
 loop's default 16; 0: off), each variant on a fresh set of kept prefixes, so its warm-up run makes them; each run
 reports the prefixes it made (`prefixes_made`). `--mlp-blocks` the most tokens the MLP runs at once (the loop's
-default 2,048; 0: a chunk's whole), named in a run's cell only where it is not the default; the plan's set-aside
+default 4,096; 0: a chunk's whole), named in a run's cell only where it is not the default; the plan's set-aside
 (`chunk planned`) is always the default's.
 """
 

@@ -54,14 +54,14 @@ def test_the_shared_prefix_variants_run_the_same_prompts(tmp_path: Path, monkeyp
 
 
 def test_the_mlp_block_variants_run_the_same_prompts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--mlp-blocks 2048,0,8`: the loop's default blocks, the MLP whole and in blocks of 8 tokens; each cell
+    """`--mlp-blocks 4096,0,8`: the loop's default blocks, the MLP whole and in blocks of 8 tokens; each cell
     names a variant that is not the default."""
     monkeypatch.setattr(bench.common, "RESULTS_MD", tmp_path / "RESULTS.md")
     args = ["--device", "cpu", "--shape", "tiny", "--rows", "8", "--chunks", "256", "--groups", "1024"]
-    args += ["--ops", "compiled", "--mlp-blocks", "2048,0,8", "--only", "nightly,choices", "--repeats", "1"]
+    args += ["--ops", "compiled", "--mlp-blocks", "4096,0,8", "--only", "nightly,choices", "--repeats", "1"]
     report = prefill.main([*args, "--out", str(tmp_path / "out")])
     runs = report["runs"]
-    assert sorted(r["mlp_block_tokens"] for r in runs) == [0, 0, 8, 8, 2048, 2048]
+    assert sorted(r["mlp_block_tokens"] for r in runs) == [0, 0, 8, 8, 4096, 4096]
     for workload in ("nightly", "choices"):
         assert len({r["prompt_tokens"] for r in runs if r["workload"] == workload}) == 1
     row = (tmp_path / "RESULTS.md").read_text()

@@ -326,7 +326,7 @@ def test_the_loops_prefill_chunk_is_set_aside_as_measured_and_the_models_forward
     ours = prefill_chunk_bytes(shape, chunk_tokens=4096, input_tokens=256, flash=True)
     # The chunk's rows with their room up to the matmuls' next block (worker/fastpath/gemm.py).
     assert ours == int(shape.prefill_chunk_activation_bytes(4096 + PREFILL_ROW_BLOCK) * PREFILL_MARGIN) + weights
-    assert 375 * MIB < ours < 400 * MIB  # 523 MiB with the MLP whole
+    assert 500 * MIB < ours < 520 * MIB  # 523 MiB with the MLP whole (its padded rows past a block: not run)
     # The MLP runs in blocks (worker/fastpath/weights.py): past a block, a token adds only the attention's side.
     attention_side = 6 * shape.hidden * 2
     assert PREFILL_MLP_BLOCK_TOKENS < 4096

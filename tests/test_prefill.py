@@ -268,8 +268,8 @@ def test_matmuls_in_row_blocks_give_the_same_cache_and_logits(
 def test_the_mlp_in_blocks_of_a_few_tokens_gives_the_same_cache_and_logits(
     decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch, merge_lora: bool
 ) -> None:
-    """The MLP run over spans of each chunk's sequence (`Stack._mlp_in_blocks`: at most 7 tokens a block here, a
-    GPU's 2,048 scaled to the tiny chunks; single-row and many-row chunks, both adapters masked per row and
+    """The MLP run in blocks (`Stack._mlp_in_blocks`: at most 7 tokens a block here, a GPU's 4,096 scaled to the
+    tiny chunks; whole rows in blocks, a row longer than a block in spans; both adapters, masked per row and
     merged) against the reference with the MLP whole: the same cache and logits, within the dtype's rounding."""
     stack = decoder.stack
     seen: list[tuple[int, int]] = []  # (rows, tokens a row) of each MLP call
@@ -296,7 +296,8 @@ def test_the_mlp_in_blocks_of_a_few_tokens_gives_the_same_cache_and_logits(
     finally:
         decoder.prefill.merge_lora = True
         stack.mlp_block_tokens = weights_module.PREFILL_MLP_BLOCK_TOKENS
-    assert blocked and all(n * t <= max(7, n) for n, t in blocked)  # no call past its block (a row at least)
+    assert blocked and all(n * t <= 7 for n, t in blocked)  # no call past its block
+    assert any(n > 1 for n, _ in blocked) and any(n == 1 and t == 7 for n, t in blocked)  # rows, and spans
     assert any(t > 7 for _, t in seen[len(blocked) :])  # the reference ran whole spans
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if stack.dtype == torch.bfloat16 else {}
     for (ka, va), (kb, vb) in zip(kv_new, kv_old, strict=True):

@@ -37,8 +37,9 @@ PREFILL_MARGIN = 1.15
 PREFILL_ROW_BLOCK = 256
 # The loop's MLP runs a chunk's tokens in blocks of at most this many (worker/fastpath/weights.py
 # `Stack._mlp_in_blocks`): its gate/up output and their product, ~74% of a chunk's transients a token, are set
-# aside for a block, not the chunk. A multiple of `PREFILL_ROW_BLOCK`, so a block's matmuls pad no rows past it.
-PREFILL_MLP_BLOCK_TOKENS = 2048
+# aside for a block, not the chunk: the planned 4,096-token chunk runs whole, a larger one (up to 8,192 where
+# memory allows) in two. A multiple of `PREFILL_ROW_BLOCK`.
+PREFILL_MLP_BLOCK_TOKENS = 4096
 # A decode graph's own per-row buffers over its cache length (worker/fastpath/graphs.py State): the chosen
 # tokens (int64), their log-probabilities (float32) and the attention mask (bool).
 STATE_BYTES_PER_CACHE_TOKEN = 8 + 4 + 1

@@ -605,21 +605,31 @@ class Stack:
         return ops.add_norm(h, down, next_norm, room=False)
 
     def _mlp_in_blocks(self, layer: Layer, x: torch.Tensor, masks: Masks, dense: Dense, ops: Ops) -> torch.Tensor:
-        """The MLP's output for `x` (rows, T, hidden), its tokens in blocks of at most `mlp_block_tokens` (spans
-        of the sequence for every row: a row's LoRA mask applies to any span of it). Its gate/up output and their
-        product are ~3.5x a chunk's other transients a token: run whole, an 8,192-token chunk asked for one
-        280 MiB block, which failed among held states under a 6 GiB budget on the H100 with ~1 GiB free in
-        smaller pieces. In blocks, a chunk's largest transient is a block's gate/up (~70 MiB at 2,048 tokens for
-        a Qwen2.5-1.5B shape); each block's matmuls still run at a block's rows, and each row's result is the
-        same as whole (rows are independent)."""
+        """The MLP's output for `x` (rows, T, hidden), its tokens in blocks of at most `mlp_block_tokens`: whole
+        rows where a row fits a block (contiguous slices, each row's LoRA mask sliced with it; the blocks' rows
+        evened out), a row longer than a block in spans of its own. Its gate/up output and their product are
+        ~3.5x a chunk's other transients a token: run whole, an 8,192-token chunk asked for one 280 MiB block,
+        which failed among held states under a 6 GiB budget on the H100 with ~1 GiB free in smaller pieces. In
+        blocks of 4,096 tokens its largest transient is 140 MiB, what a chunk of the planned 4,096 tokens asks
+        for anyway. Each row's result is the same as whole (rows are independent). Blocks of 2,048 tokens (spans
+        of every row, copied contiguous) cost prefill 21-28% on the H100 (`bench prefill --mlp-blocks`)."""
         rows, width = x.shape[0], x.shape[-2]
-        span = max(1, self.mlp_block_tokens // max(1, rows))
-        if x.dim() != 3 or span >= width:
+        block = self.mlp_block_tokens
+        if x.dim() != 3 or rows * width <= block:
             return self._mlp_down(layer, x, masks, dense, ops)
         out = x.new_empty(x.shape)
-        for start in range(0, width, span):
-            part = x[:, start : start + span].contiguous()
-            out[:, start : start + span] = self._mlp_down(layer, part, masks, dense, ops)
+        if width <= block:
+            per = block // width  # whole rows a block holds
+            count = -(-rows // per)
+            per = -(-rows // count)  # evened out: 37 rows in blocks of 18 run as 13 + 12 + 12
+            for r in range(0, rows, per):
+                part = [(name, None if m is None else m[r : r + per]) for name, m in masks]
+                out[r : r + per] = self._mlp_down(layer, x[r : r + per], part, dense, ops)
+            return out
+        for r in range(rows):
+            part = [(name, None if m is None else m[r : r + 1]) for name, m in masks]
+            for t in range(0, width, block):
+                out[r : r + 1, t : t + block] = self._mlp_down(layer, x[r : r + 1, t : t + block], part, dense, ops)
         return out
 
     @staticmethod
