@@ -23,7 +23,7 @@ from shared.conn import redis_url as url_or_default
 from shared.errors import ConfigError, WaitTimeoutError
 from shared.job import Job
 from shared.keys import DEFAULT_PREFIX, INTERACTIVE, Keys
-from shared.store import BatchRecord, batch_record, queue_record_reads, record_fields, recount_ended, stored_ended
+from shared.store import BatchRecord, batch_record, queue_record_reads, record_fields, recount_and_repair, stored_ended
 
 
 class AsyncClient:
@@ -84,8 +84,7 @@ class AsyncClient:
         fields = record_fields(self.keys, batch, raw, answered)
         ended = stored_ended(fields, answered)
         if ended is None:  # some other writer changed a counter: count the results instead, as `read_batch`
-            items = {cid async for cid in self.redis.sscan_iter(self.keys.batch_item_set(batch))}
-            ended = recount_ended([pair async for pair in self.redis.hscan_iter(self.keys.batch_results(batch))], items)
+            ended = await asyncio.to_thread(recount_and_repair, self.sync.redis, self.keys, batch)
         return batch_record(batch, fields, ended, running, total, submits, steps)
 
     @async_store_call

@@ -18,6 +18,7 @@ from redis.exceptions import ResponseError
 from producer.aio import AsyncClient
 from producer.cli import cli
 from producer.client import Client
+from shared import store
 from shared.errors import INTERNAL, ConfigError, WaitTimeoutError, WrongTypeError
 from shared.keys import Keys, QueueRef, followup_id, job_id
 from shared.result import Result
@@ -116,6 +117,47 @@ def test_a_hostile_counter_of_an_answered_batch_still_reads_complete(
     assert client.wait(batch, timeout_s=5).complete
     res = CliRunner().invoke(cli, ["--redis-url", redis_url, "status", batch, "--wait", "--timeout", "5"])
     assert res.exit_code == 0 and "completed" in res.output, res.output
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_COUNTS))
+@pytest.mark.parametrize("reader", ["sync", "async"])
+def test_a_recount_writes_the_counters_back_so_the_next_reading_needs_none(
+    client: Client, redis: Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch, name: str, reader: str
+) -> None:
+    """Counters some other writer spoiled were counted from the results at every status poll of a `wait` (a
+    scan of the whole results hash each time); the first recount now sets them to what the results hold."""
+    batch = three(client)
+    worker(redis).work()
+    _corrupt(redis, batch, "finished", HOSTILE_COUNTS[name])
+    scans: list[int] = []
+    real = store.recount_ended
+    monkeypatch.setattr(store, "recount_ended", lambda *a: (scans.append(1), real(*a))[1])
+    read = (lambda: client.status(batch)) if reader == "sync" else (lambda: _async_status(redis_url, batch))
+    assert read().counts.finished == 3
+    assert redis.hmget(K.batch(batch), [*store.ENDED, "followups_done"]) == [b"3", b"0", b"0", b"0", b"0"]
+    assert read().counts.finished == 3 and read().complete
+    assert len(scans) == 1
+
+
+def test_a_recount_writes_nothing_over_a_foreign_field_or_a_write_meanwhile(
+    client: Client, redis: Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch = three(client)
+    worker(redis).work()
+    _corrupt(redis, batch, "finished", b"abc")
+    redis.hset(K.batch_results(batch), "not-an-item", b"{}")  # no item's: the counters could never agree with HLEN
+    assert client.status(batch).counts.finished == 3
+    assert redis.hget(K.batch(batch), "finished") == b"abc"
+    redis.hdel(K.batch_results(batch), "not-an-item")
+    real = store.recount_ended
+
+    def with_a_writer(*args):  # a worker's script writing the batch between the recount's reads and its write
+        Redis.from_url(redis_url).hset(K.batch(batch), "last_done_at", "1")
+        return real(*args)
+
+    monkeypatch.setattr(store, "recount_ended", with_a_writer)
+    assert client.status(batch).counts.finished == 3
+    assert redis.hget(K.batch(batch), "finished") == b"abc"  # WATCHed: the transaction gave way
 
 
 @pytest.mark.parametrize("name", list(HOSTILE_COUNTS))
