@@ -160,6 +160,26 @@ def test_a_recount_writes_nothing_over_a_foreign_field_or_a_write_meanwhile(
     assert redis.hget(K.batch(batch), "finished") == b"abc"  # WATCHed: the transaction gave way
 
 
+def test_a_reader_that_may_not_write_still_counts_over_spoiled_counters(
+    client: Client, redis: Redis, redis_url: str
+) -> None:
+    """A read-only user (an ACL with reads and transactions, no writes) reads a batch whose counters were spoiled: the
+    counts from the results, nothing written, no error."""
+    batch = three(client)
+    worker(redis).work()
+    _corrupt(redis, batch, "finished", b"abc")
+    rules = ["on", ">reader-secret", "~*", "&*", "-@all", "+@read", "+@transaction", "+ping"]
+    redis.execute_command("ACL", "SETUSER", "reader", *rules)
+    try:
+        url = redis_url.replace("redis://", "redis://reader:reader-secret@", 1)
+        reader = Client(redis_url=url)
+        record = reader.status(batch)
+        assert (record.counts.finished, record.complete) == (3, True)
+        assert redis.hget(K.batch(batch), "finished") == b"abc"
+    finally:
+        redis.execute_command("ACL", "DELUSER", "reader")
+
+
 @pytest.mark.parametrize("name", list(HOSTILE_COUNTS))
 def test_a_counter_corrupted_before_the_run_ends_complete(client: Client, redis: Redis, name: str) -> None:
     """The worker bumps the value it finds (`tonumber(v) or 0` + 1): -1 became 2 of 3, garbage 3 of 3 only when
