@@ -307,28 +307,6 @@ def test_the_mlp_in_blocks_of_a_few_tokens_gives_the_same_cache_and_logits(
     assert torch.equal(new.argmax(-1), old.argmax(-1))
 
 
-def test_a_chunk_past_the_mlp_block_holds_rows_for_its_fewest_whole_blocks(
-    decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A chunk of more tokens than the MLP's block runs its MLP in as many blocks as its token limit needs, each
-    of whole rows (`_mlp_in_blocks`): filled to its tokens, 5 rows of 35 tokens in a chunk of 200 ran as blocks
-    of 2 + 2 + 1 rows against blocks of 100 tokens; capped, 4 rows run as two."""
-    monkeypatch.setattr(decoder.stack, "mlp_block_tokens", 100)
-    prefill = decoder.prefill
-    rows = [DecodeRow(ids=[5] * 35, max_new=1, adapter="kev") for _ in range(10)]
-    assert [len(c) for c in prefill.chunk_rows(rows, 200)] == [4, 4, 2]
-    assert [len(c) for c in prefill.chunk_rows(rows, 100)] == [2] * 5  # within a block: its tokens alone
-    for width in range(1, 260, 7):
-        rows = [DecodeRow(ids=[5] * width, max_new=1, adapter="kev") for _ in range(13)]
-        for limit in (100, 150, 200, 290):
-            chunks = prefill.chunk_rows(rows, limit)
-            assert sorted(i for c in chunks for i in c) == list(range(13))
-            for chunk in chunks:
-                assert len(chunk) * width <= limit or len(chunk) == 1
-                if width <= 100 and len(chunk) * width > 100:  # past a block: whole rows in the fewest blocks
-                    assert -(-len(chunk) // (100 // width)) <= -(-limit // 100)
-
-
 @pytest.mark.parametrize("loop", THROUGH_GEMM, indirect=True)
 def test_the_warm_up_runs_a_layers_four_matmuls_and_the_lm_head_at_each_row_count(
     decoder: StaticDecoder, monkeypatch: pytest.MonkeyPatch

@@ -467,11 +467,7 @@ class Prefill:
         the chunk's longest and counted in its tokens too (a chunk of short prompts with long tails stays within
         the activations planned for a chunk). `shared`: a shared prefix's tokens before each row's own, whose K/V
         each layer step copies before every row's (`_layer`): a chunk's rows times them stay within its tokens
-        too (a K/V copy a token is ~1/90 of a token's planned transients for a Qwen2.5-1.5B shape).
-
-        A chunk larger than the MLP's block (`Stack.mlp_block_tokens`) holds no more rows than the fewest blocks
-        its tokens need hold whole (`block_rows`): filled to its tokens, a chunk of rows of 280 tokens holds 29
-        at 8,192 tokens, which the MLP runs as three blocks of ~2,800 tokens where 28 run as two of 3,920."""
+        too (a K/V copy a token is ~1/90 of a token's planned transients for a Qwen2.5-1.5B shape)."""
         limit = self.tokens if tokens is None else tokens
         lengths = [len(r.ids) for r in rows]
         extra = tails or [0] * len(rows)
@@ -480,12 +476,7 @@ class Prefill:
         tail = 0  # the current chunk's longest tail
         for i in order:  # ascending: the newcomer is the longest prompt of its chunk
             rows_then = len(chunks[-1]) + 1
-            width = lengths[i] + max(tail, extra[i])
-            if chunks[-1] and (
-                rows_then * width > limit
-                or rows_then * shared > limit
-                or rows_then > block_rows(limit, width, self.stack.mlp_block_tokens)
-            ):
+            if chunks[-1] and (rows_then * (lengths[i] + max(tail, extra[i])) > limit or rows_then * shared > limit):
                 chunks.append([])
                 tail = 0
             chunks[-1].append(i)
@@ -817,16 +808,6 @@ class Prefill:
             k_cache[where, :, :width].copy_(keys)
             v_cache[where, :, :width].copy_(values)
         return out.logits[:, -1]
-
-
-def block_rows(limit: int, width: int, block: int) -> int:
-    """The most rows of `width` tokens a chunk of at most `limit` tokens holds so that the MLP runs them in
-    whole blocks of at most `block` tokens (`Stack._mlp_in_blocks`) as few as its tokens allow: as many blocks
-    as `limit` needs, each full. Rows longer than a block run in spans of their own, one a chunk, as do a
-    chunk's rows within one block: no limit there."""
-    if width > block or limit <= block:
-        return limit
-    return -(-limit // block) * (block // width)
 
 
 def read_columns(states: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
