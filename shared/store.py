@@ -339,30 +339,29 @@ def recount_and_repair(redis: Redis, keys: Keys, batch: str) -> Counter[str]:
     they then agree with the results hash (every field an item's) and no writer touched the batch, its results
     or its items meanwhile (WATCHed; else left for a later reading): counters some other writer spoiled cost one
     scan of the results, not one every status poll of a `wait`. A batch hash that is gone is not made again.
-    A reader not allowed to write (an ACL, a replica) only counts."""
-    record, results, items_key = keys.batch(batch), keys.batch_results(batch), keys.batch_item_set(batch)
+    The repair is a saving only: where it fails -- a reader that may not write (an ACL, a replica, too few
+    replicas), a connection dropped while watching (which redis-py does not retry) -- the results are counted as
+    before, by the client's own reads and retries."""
+    results, items = keys.batch_results(batch), keys.batch_item_set(batch)
     try:
-        with redis.pipeline(transaction=True) as pipe:
-            pipe.watch(record, results, items_key)
-            items = set(pipe.sscan_iter(items_key))
-            ended = recount_ended(pipe.hscan_iter(results), items)
-            if pipe.type(record) not in (b"hash", "hash") or pipe.hlen(results) != sum(ended[n] for n in ENDED):
-                return ended
-            pipe.multi()
-            pipe.hset(record, mapping={name: ended[name] for name in (*ENDED, "followups_done")})
-            with contextlib.suppress(*_NOT_WRITTEN):  # a writer came first, or none may: the counts read stand
-                pipe.execute()
+        return _recount_watched(redis, keys, batch)
+    except redis_exceptions.RedisError:
+        return recount_ended(redis.hscan_iter(results), set(redis.sscan_iter(items)))
+
+
+def _recount_watched(redis: Redis, keys: Keys, batch: str) -> Counter[str]:
+    record, results, items_key = keys.batch(batch), keys.batch_results(batch), keys.batch_item_set(batch)
+    with redis.pipeline(transaction=True) as pipe:
+        pipe.watch(record, results, items_key)
+        items = set(pipe.sscan_iter(items_key))
+        ended = recount_ended(pipe.hscan_iter(results), items)
+        if pipe.type(record) not in (b"hash", "hash") or pipe.hlen(results) != sum(ended[n] for n in ENDED):
             return ended
-    except (redis_exceptions.NoPermissionError, redis_exceptions.ReadOnlyError):  # not even WATCH
-        return recount_ended(redis.hscan_iter(results), set(redis.sscan_iter(items_key)))
-
-
-_NOT_WRITTEN = (
-    redis_exceptions.WatchError,
-    redis_exceptions.ExecAbortError,
-    redis_exceptions.NoPermissionError,
-    redis_exceptions.ReadOnlyError,
-)
+        pipe.multi()
+        pipe.hset(record, mapping={name: ended[name] for name in (*ENDED, "followups_done")})
+        with contextlib.suppress(redis_exceptions.RedisError):  # a writer came first, or a refusal: the counts stand
+            pipe.execute()
+        return ended
 
 
 def recount_ended(results: Iterable[tuple[bytes, bytes]], items: set[bytes]) -> Counter[str]:

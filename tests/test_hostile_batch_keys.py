@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 from redis import Redis
 from redis.exceptions import ResponseError
+from redis.exceptions import WatchError as RedisWatchError
 
 from producer.aio import AsyncClient
 from producer.cli import cli
@@ -178,6 +179,34 @@ def test_a_reader_that_may_not_write_still_counts_over_spoiled_counters(
         assert redis.hget(K.batch(batch), "finished") == b"abc"
     finally:
         redis.execute_command("ACL", "DELUSER", "reader")
+
+
+def test_a_recount_refused_its_write_or_cut_off_while_watching_still_counts(
+    client: Client, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The repair is a saving only. A write refusal that is no ACL's (NOREPLICAS: too few replicas for a write)
+    and a connection dropped while watching (redis-py raises WatchError then, and retries nothing) each made a
+    status read raise where the plain count had answered."""
+    batch = three(client)
+    worker(redis).work()
+    _corrupt(redis, batch, "finished", b"abc")
+    redis.config_set("min-replicas-to-write", 1)
+    try:
+        assert client.status(batch).counts.finished == 3
+    finally:
+        redis.config_set("min-replicas-to-write", 0)
+    assert redis.hget(K.batch(batch), "finished") == b"abc"
+    real, calls = store.recount_ended, []
+
+    def cut_off_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RedisWatchError("A ConnectionError occurred while watching one or more keys")
+        return real(*args)
+
+    monkeypatch.setattr(store, "recount_ended", cut_off_once)
+    assert client.wait(batch, timeout_s=5).counts.finished == 3
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("name", list(HOSTILE_COUNTS))
