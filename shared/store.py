@@ -342,20 +342,20 @@ def recount_and_repair(redis: Redis, keys: Keys, batch: str) -> Counter[str]:
     The repair is a saving only: where it fails -- a reader that may not write (an ACL, a replica, too few
     replicas), a connection dropped while watching (which redis-py does not retry) -- the results are counted as
     before, by the client's own reads and retries."""
-    results, items = keys.batch_results(batch), keys.batch_item_set(batch)
+    record, results, items = keys.batch(batch), keys.batch_results(batch), keys.batch_item_set(batch)
     try:
-        return _recount_watched(redis, keys, batch)
+        return _recount_watched(redis, record, results, items)
     except redis_exceptions.RedisError:
         return recount_ended(redis.hscan_iter(results), set(redis.sscan_iter(items)))
 
 
-def _recount_watched(redis: Redis, keys: Keys, batch: str) -> Counter[str]:
-    record, results, items_key = keys.batch(batch), keys.batch_results(batch), keys.batch_item_set(batch)
+def _recount_watched(redis: Redis, record: str, results: str, items: str) -> Counter[str]:
     with redis.pipeline(transaction=True) as pipe:
-        pipe.watch(record, results, items_key)
-        items = set(pipe.sscan_iter(items_key))
-        ended = recount_ended(pipe.hscan_iter(results), items)
-        if pipe.type(record) not in (b"hash", "hash") or pipe.hlen(results) != sum(ended[n] for n in ENDED):
+        pipe.watch(record, results, items)
+        ended = recount_ended(pipe.hscan_iter(results), set(pipe.sscan_iter(items)))
+        # The record read as a hash before; gone since (HSET would make it again) or a foreign results field
+        # (the counters could never agree with HLEN): nothing written.
+        if pipe.type(record) != b"hash" or pipe.hlen(results) != sum(ended[n] for n in ENDED):
             return ended
         pipe.multi()
         pipe.hset(record, mapping={name: ended[name] for name in (*ENDED, "followups_done")})
