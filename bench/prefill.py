@@ -23,9 +23,9 @@ sizes (the loop's default 32,768; 0: each chunk alone). `--chunks` the chunk siz
 choice, 4,096 tokens or up to 8,192 where the memory free as the take's prefill starts holds them). `--prefixes`
 the fewest tokens every row of a take must share for prefill to run them once (worker/fastpath/prefix.py; the
 loop's default 16; 0: off), each variant on a fresh set of kept prefixes, so its warm-up run makes them; each run
-reports the prefixes it made (`prefixes_made`). `--mlp-blocks` the most tokens the MLP runs at once (the loop's
-default 4,096; 0: a chunk's whole), named in a run's cell only where it is not the default; the plan's set-aside
-(`chunk planned`) is always the default's.
+reports the prefixes it made (`prefixes_made`). `--mlp-blocks` the most tokens the MLP's gate/up runs at once
+(the loop's default 4,096; 0: a chunk's whole), named in a run's cell only where it is not the default; the
+plan's set-aside (`chunk planned`) is always the default's.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def use_variant(
 ) -> None:
     """`chunk_tokens` 0: the loop's default (chunks of 4,096 tokens, up to `MAX_CHUNK_TOKENS` where memory holds
     them); otherwise chunks of exactly that size. `prefix_tokens`: the fewest shared tokens run once (0: off), on
-    a fresh set of kept prefixes. `mlp_block_tokens`: the most tokens the MLP runs at once (0: whole)."""
+    a fresh set of kept prefixes. `mlp_block_tokens`: the most tokens the MLP's gate/up runs at once (0: whole)."""
     for decoder in engine.decoders.values():
         decoder.stack.mlp_block_tokens = mlp_block_tokens or 1 << 40
         decoder.prefill.prefixes = PrefixCache(min_tokens=prefix_tokens)
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--mlp-blocks",
         default=str(PREFILL_MLP_BLOCK_TOKENS),
-        help="most tokens the MLP runs at once, to compare (0: a chunk's whole)",
+        help="most tokens the MLP's gate/up runs at once, to compare (0: a chunk's whole)",
     )
     parser.add_argument("--only", default="nightly,long,choices,mixed", help="workloads to run (also: mixed-choices)")
     parser.add_argument("--repeats", type=int, default=3)

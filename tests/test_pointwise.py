@@ -56,6 +56,24 @@ def test_rotary_is_bit_equal_and_silu_mul_matches_eager() -> None:
             # float16: the same roundings, so at most an ulp apart where exp's last bit tips one.
             tight = dtype == torch.float32
             torch.testing.assert_close(got, want, rtol=1e-6 if tight else 1e-3, atol=1e-6 if tight else 1e-3)
+            # Into a slice of a larger buffer (prefill's MLP writes each block's product into the chunk's): the
+            # same values there, the rest of the buffer untouched, the slice itself handed back.
+            whole = torch.full((5, 4, 1100), 7.0, dtype=dtype)
+            into = pointwise.silu_mul(gate, up, out=whole[1:4])
+            assert into.data_ptr() == whole[1:4].data_ptr() and torch.equal(whole[1:4], got)
+            assert bool((whole[0] == 7).all()) and bool((whole[4] == 7).all())
+            try:
+                pointwise.silu_mul(gate, up, out=whole[1:4, :2])
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("a wrongly shaped out was written")
+            # The eager fallback (kernels off) writes into the same slice.
+            kernels_off = ops.Ops(compiled=False)
+            whole.fill_(7.0)
+            back = kernels_off.act_mul(torch.nn.SiLU(), gate, up, out=whole[1:4])
+            assert back.data_ptr() == whole[1:4].data_ptr() and torch.equal(whole[1:4], want)
+            assert bool((whole[0] == 7).all())
         print("ok")
     """)
     assert out.strip() == "ok"

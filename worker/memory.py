@@ -36,10 +36,10 @@ PREFILL_MARGIN = 1.15
 # Prefill's matmuls run at row counts that are multiples of this block (worker/fastpath/gemm.py), and a chunk's
 # activations hold room for their rows up to the next multiple: what a chunk sets aside counts that many tokens more.
 PREFILL_ROW_BLOCK = 256
-# The loop's MLP runs a chunk's tokens in blocks of at most this many (worker/fastpath/weights.py
-# `Stack._mlp_in_blocks`): its gate/up output and their product, ~74% of a chunk's transients a token, are set
-# aside for a block, not the chunk: the planned 4,096-token chunk runs whole, a larger one (up to 8,192 where
-# memory allows) in two. A multiple of `PREFILL_ROW_BLOCK`.
+# The loop's MLP runs a chunk's gate/up in blocks of at most this many tokens (worker/fastpath/weights.py
+# `Stack._mlp_in_blocks`): its output, ~50% of a chunk's transients a token, is set aside for a block, not the
+# chunk: the planned 4,096-token chunk runs whole, a larger one (up to 8,192 where memory allows) in two. Their
+# product and the down projection run over the whole chunk. A multiple of `PREFILL_ROW_BLOCK`.
 PREFILL_MLP_BLOCK_TOKENS = 4096
 # A decode graph's own per-row buffers over its cache length (worker/fastpath/graphs.py State): the chosen
 # tokens (int64), their log-probabilities (float32) and the attention mask (bool).
@@ -126,11 +126,12 @@ class ModelShape:
 
     def prefill_chunk_activation_bytes(self, tokens: int, dtype_bytes: int = 2) -> int:
         """Transient activations of a chunk of `tokens` in the loop's own prefill: the attention's side a token
-        (`prefill_bytes_per_token` less the MLP's), and the MLP's gate/up and their product for at most
-        `PREFILL_MLP_BLOCK_TOKENS` of them (it runs in blocks of that many; a block's own input and output, two
-        hidden-size vectors a token, lie within the margin)."""
-        mlp = min(tokens, PREFILL_MLP_BLOCK_TOKENS)
-        return (tokens * 6 * self.hidden + mlp * 3 * self.intermediate) * dtype_bytes
+        (`prefill_bytes_per_token` less the MLP's), the MLP's gate/up for at most `PREFILL_MLP_BLOCK_TOKENS` of
+        them (it runs in blocks of that many), and SiLU x up's product for all of them (written block by block
+        into one buffer, which the down projection reads whole; a block's own input, a hidden-size vector a
+        token, lies within the margin)."""
+        block = min(tokens, PREFILL_MLP_BLOCK_TOKENS)
+        return (tokens * 6 * self.hidden + (2 * block + tokens) * self.intermediate) * dtype_bytes
 
     def prefill_held_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """What the static loop's layer-major prefill (worker/fastpath/prefill.py) holds per (padded) prompt

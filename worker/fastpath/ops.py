@@ -203,12 +203,24 @@ class Ops:
         return h, norm(h)
 
     def act_mul(
-        self, act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor
+        self,
+        act: Callable[[torch.Tensor], torch.Tensor],
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """act(gate) x up; written into `out` where given (contiguous, gate's shape), which is returned."""
         if isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation":
-            out = self._ours(pointwise.silu_mul, gate, up) if self.kernels else None
-            return out if out is not None else self.silu_mul(gate, up)
-        return act(gate) * up
+            made = self._ours(pointwise.silu_mul, gate, up, out) if self.kernels else None
+            if made is None:
+                made = self.silu_mul(gate, up)
+        else:
+            made = act(gate) * up
+        if out is None:
+            return made
+        if made.data_ptr() != out.data_ptr():
+            out.copy_(made)
+        return out
 
 
 def prefill_attention(device: torch.device) -> contextlib.AbstractContextManager[Any]:

@@ -234,14 +234,18 @@ def rope_fits(qk: torch.Tensor) -> bool:
     return qk.stride(-1) == 1 and dim >= 2 and dim & (dim - 1) == 0
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) x up for same-shaped (..., F) tensors whose rows are evenly strided (views of a joint output)."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(gate) x up for same-shaped (..., F) tensors whose rows are evenly strided (views of a joint output);
+    written into `out` where given (same shape, contiguous: a block's slice of the whole chunk's product)."""
     features = gate.shape[-1]
     g, u = gate.reshape(-1, features), up.reshape(-1, features)
     if g.stride(-1) != 1 or u.stride(-1) != 1:
         g, u = g.contiguous(), u.contiguous()
-    # The down projection's input: room for its padded rows (`gemm.empty_rows`).
-    out = gemm.empty_rows(*g.shape, dtype=gate.dtype, device=gate.device)
+    if out is None:
+        # The down projection's input: room for its padded rows (`gemm.empty_rows`).
+        out = gemm.empty_rows(*g.shape, dtype=gate.dtype, device=gate.device)
+    elif out.shape != gate.shape or not out.is_contiguous():
+        raise ValueError(f"silu_mul: out must be a contiguous {tuple(gate.shape)}, got {tuple(out.shape)}")
     block = 1024
     grid = (g.shape[0], cdiv(features, block))
     with on_device(gate.device):

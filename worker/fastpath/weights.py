@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.fastpath import nf4, pointwise
-from worker.fastpath.gemm import ROW_BLOCK, add_matmul_, linear
+from worker.fastpath.gemm import ROW_BLOCK, add_matmul_, empty_rows, linear
 from worker.fastpath.ops import DEFAULT_OPS, Ops, OpsOptions, norm_of
 from worker.fastpath.quant4 import Layout4bit, float_absmax
 from worker.memory import PREFILL_MLP_BLOCK_TOKENS
@@ -605,34 +605,58 @@ class Stack:
         return ops.add_norm(h, down, next_norm, room=False)
 
     def _mlp_in_blocks(self, layer: Layer, x: torch.Tensor, masks: Masks, dense: Dense, ops: Ops) -> torch.Tensor:
-        """The MLP's output for `x` (rows, T, hidden), its tokens in blocks of at most `mlp_block_tokens`: whole
-        rows where a row fits a block (contiguous slices, each row's LoRA mask sliced with it; the blocks' rows
-        evened out), a row longer than a block in spans of its own. Its gate/up output and their product are
-        ~3.5x a chunk's other transients a token: run whole, an 8,192-token chunk asked for one 280 MiB block,
-        which failed among held states under a 6 GiB budget on the H100 with ~1 GiB free in smaller pieces. In
-        blocks of 4,096 tokens its largest transient is 140 MiB, what a chunk of the planned 4,096 tokens asks
-        for anyway. Each row's result is the same as whole (rows are independent). Blocks of 2,048 tokens (spans
-        of every row, copied contiguous) cost prefill 21-28% on the H100 (`bench prefill --mlp-blocks`)."""
+        """The MLP's output for `x` (rows, T, hidden): gate/up and SiLU x up in blocks of at most
+        `mlp_block_tokens` tokens -- whole rows where a row fits a block (contiguous slices, each row's LoRA mask
+        sliced with it; the blocks' rows evened out), a row longer than a block in spans of its own -- each
+        block's product written into one buffer for the chunk, and the down projection over the whole chunk at
+        once. Gate/up's output is 2x the product a token (~3.5x a chunk's other transients with it): run whole,
+        an 8,192-token chunk asked for one 280 MiB block, which failed among held states under a 6 GiB budget on
+        the H100 with ~1 GiB free in smaller pieces. In blocks of 4,096 tokens gate/up's output is 140 MiB, and
+        the chunk's product (~140 MiB at 8,192 tokens) is the largest request. The down projection stays whole:
+        its 1,536 outputs make few output tiles a row block, and at ~4,096 rows its matmul filled the H100's
+        SMs in ~1.5 waves (blocks of 4,096 cost prefill 8-16% with the down projection blocked too, `bench
+        prefill --mlp-blocks 4096,0`). Each row's result is the same as whole (rows are independent)."""
         rows, width = x.shape[0], x.shape[-2]
         block = self.mlp_block_tokens
         if x.dim() != 3 or rows * width <= block:
             return self._mlp_down(layer, x, masks, dense, ops)
-        out = x.new_empty(x.shape)
-        if width <= block:
-            per = block // width  # whole rows a block holds
-            count = -(-rows // per)
-            per = -(-rows // count)  # evened out: 37 rows in blocks of 18 run as 13 + 12 + 12
-            for r in range(0, rows, per):
-                part = [(name, None if m is None else m[r : r + per]) for name, m in masks]
-                out[r : r + per] = self._mlp_down(layer, x[r : r + per], part, dense, ops)
-            return out
-        for r in range(rows):
-            part = [(name, None if m is None else m[r : r + 1]) for name, m in masks]
-            for t in range(0, width, block):
-                out[r : r + 1, t : t + block] = self._mlp_down(layer, x[r : r + 1, t : t + block], part, dense, ops)
-        return out
+        product: torch.Tensor | None = None
+        for b in mlp_blocks(rows, width, block):
+            rows_of, tokens_of = slice(b.row, b.row + b.rows), slice(b.token, b.token + b.span)
+            part = [(name, None if m is None else m[rows_of]) for name, m in masks]
+            (gate, up), _ = layer.gate_up(x[rows_of, tokens_of], part, dense[2])
+            if product is None:
+                # The down projection's input: room for its padded rows (`gemm.empty_rows`).
+                product = empty_rows(rows, width, gate.shape[-1], dtype=gate.dtype, device=gate.device)
+            ops.act_mul(layer.act, gate, up, out=product[rows_of, tokens_of])
+            del gate, up
+        assert product is not None
+        return layer.down(product, masks, dense[3])
 
     @staticmethod
     def _mlp_down(layer: Layer, x: torch.Tensor, masks: Masks, dense: Dense, ops: Ops) -> torch.Tensor:
         (gate, up), _ = layer.gate_up(x, masks, dense[2])
         return layer.down(ops.act_mul(layer.act, gate, up), masks, dense[3])
+
+
+@dataclass(frozen=True)
+class MlpBlock:
+    """One block of a chunk's MLP (`Stack._mlp_in_blocks`): `rows` rows from row `row`, tokens `token` to
+    `token + span` of each."""
+
+    row: int
+    token: int
+    span: int
+    rows: int
+
+
+def mlp_blocks(rows: int, width: int, block: int) -> list[MlpBlock]:
+    """The blocks of at most `block` tokens that a chunk of `rows` rows of `width` tokens runs its MLP's gate/up
+    in: whole rows where a row fits (the blocks' row counts evened out: 37 rows in blocks of 18 run as 13 + 12
+    + 12), else each row in spans of `block` tokens."""
+    if width <= block:
+        per = block // width
+        count = -(-rows // per)
+        per = -(-rows // count)
+        return [MlpBlock(r, 0, width, min(per, rows - r)) for r in range(0, rows, per)]
+    return [MlpBlock(r, t, min(block, width - t), 1) for r in range(rows) for t in range(0, width, block)]
