@@ -128,8 +128,8 @@ class ModelShape:
         """Transient activations of a chunk of `tokens` in the loop's own prefill: the attention's side a token
         (`prefill_bytes_per_token` less the MLP's), the MLP's gate/up for at most `PREFILL_MLP_BLOCK_TOKENS` of
         them (it runs in blocks of that many), and SiLU x up's product for all of them (written block by block
-        into one buffer, which the down projection reads whole; a block's own input, a hidden-size vector a
-        token, lies within the margin)."""
+        into one buffer, which the down projection reads whole; a block's input is a view of the chunk's, no
+        memory of its own)."""
         block = min(tokens, PREFILL_MLP_BLOCK_TOKENS)
         return (tokens * 6 * self.hidden + (2 * block + tokens) * self.intermediate) * dtype_bytes
 

@@ -209,18 +209,28 @@ class Ops:
         up: torch.Tensor,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """act(gate) x up; written into `out` where given (contiguous, gate's shape), which is returned."""
-        if isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation":
-            made = self._ours(pointwise.silu_mul, gate, up, out) if self.kernels else None
-            if made is None:
-                made = self.silu_mul(gate, up)
-        else:
-            made = act(gate) * up
+        """act(gate) x up; written into `out` where given (contiguous, gate's shape: a block's slice of the
+        chunk's product), which is returned. Into `out`, where our kernel does not run, eagerly in place: no
+        block-sized temporary beside it (the planner counts none), bit-equal to `silu_mul`."""
+        silu = isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
         if out is None:
-            return made
-        if made.data_ptr() != out.data_ptr():
-            out.copy_(made)
-        return out
+            made = self._ours(pointwise.silu_mul, gate, up) if silu and self.kernels else None
+            if made is not None:
+                return made
+            return self.silu_mul(gate, up) if silu else act(gate) * up
+        if out.shape != gate.shape or not out.is_contiguous():
+            raise ValueError(
+                f"act_mul: out must be contiguous and {tuple(gate.shape)}; got {tuple(out.shape)}, "
+                f"{'contiguous' if out.is_contiguous() else 'not contiguous'}"
+            )
+        if silu and self.kernels and self._ours(pointwise.silu_mul, gate, up, out) is not None:
+            return out
+        if silu:
+            # SiLU straight into `out`, then the product in place: eager's roundings and its element order (a
+            # copy of gate made SiLU in place ran another CPU loop, ~1 ulp off in float32).
+            torch.ops.aten.silu.out(gate, out=out)
+            return out.mul_(up)
+        return torch.mul(act(gate), up, out=out)
 
 
 def prefill_attention(device: torch.device) -> contextlib.AbstractContextManager[Any]:

@@ -245,7 +245,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
         # The down projection's input: room for its padded rows (`gemm.empty_rows`).
         out = gemm.empty_rows(*g.shape, dtype=gate.dtype, device=gate.device)
     elif out.shape != gate.shape or not out.is_contiguous():
-        raise ValueError(f"silu_mul: out must be a contiguous {tuple(gate.shape)}, got {tuple(out.shape)}")
+        raise ValueError(
+            f"silu_mul: out must be contiguous and {tuple(gate.shape)}; got {tuple(out.shape)}, "
+            f"{'contiguous' if out.is_contiguous() else 'not contiguous'}"
+        )
     block = 1024
     grid = (g.shape[0], cdiv(features, block))
     with on_device(gate.device):

@@ -3,6 +3,7 @@ gate/up joined into one matmul each, and the layer stack's math shared by prefil
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -641,22 +642,23 @@ class Stack:
 
 @dataclass(frozen=True)
 class MlpBlock:
-    """One block of a chunk's MLP (`Stack._mlp_in_blocks`): `rows` rows from row `row`, tokens `token` to
-    `token + span` of each."""
+    """One block of a chunk's MLP gate/up (`Stack._mlp_in_blocks`): `rows` rows from row `row`, and of each the
+    `span` tokens from token `token`."""
 
     row: int
+    rows: int
     token: int
     span: int
-    rows: int
 
 
 def mlp_blocks(rows: int, width: int, block: int) -> list[MlpBlock]:
     """The blocks of at most `block` tokens that a chunk of `rows` rows of `width` tokens runs its MLP's gate/up
-    in: whole rows where a row fits (the blocks' row counts evened out: 37 rows in blocks of 18 run as 13 + 12
-    + 12), else each row in spans of `block` tokens."""
+    in: whole rows where a row fits (as few blocks as hold them, their row counts at most one apart: 37 rows in
+    blocks of 18 run as 13 + 12 + 12), else each row in spans of `block` tokens."""
     if width <= block:
-        per = block // width
-        count = -(-rows // per)
-        per = -(-rows // count)
-        return [MlpBlock(r, 0, width, min(per, rows - r)) for r in range(0, rows, per)]
-    return [MlpBlock(r, t, min(block, width - t), 1) for r in range(rows) for t in range(0, width, block)]
+        count = -(-rows // (block // width))
+        sizes = [rows // count + (i < rows % count) for i in range(count)]
+        starts = itertools.accumulate(sizes, initial=0)
+        return [MlpBlock(row=r, rows=n, token=0, span=width) for r, n in zip(starts, sizes, strict=False)]
+    spans = [(t, min(block, width - t)) for t in range(0, width, block)]
+    return [MlpBlock(row=r, rows=1, token=t, span=n) for r in range(rows) for t, n in spans]
