@@ -311,7 +311,7 @@ def test_a_take_with_logprob_rows_gets_no_credit_from_the_graphs_pool() -> None:
 
 def test_the_loops_prefill_chunk_is_set_aside_as_measured_and_the_models_forward_with_the_estimates_margin() -> None:
     """The loop's own prefill (flash): a chunk's activation estimate with `PREFILL_MARGIN` (measured ~340 MiB at
-    4,096 tokens on the H200, 503 MiB set aside) and two layers' weights exact; the model's own forward keeps its
+    4,096 tokens on the H200, 513 MiB set aside) and two layers' weights exact; the model's own forward keeps its
     K/V, score matrices and the safety factor on everything."""
     from worker.memory import (
         PREFILL_MARGIN,

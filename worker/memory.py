@@ -29,9 +29,9 @@ SAFETY_FACTOR = 1.4
 # 4,096-token chunk's transients peaked ~340 MiB above its group's held states and first-token logits, whether
 # its rows used one adapter or both (LoRA masked per row), one layer's dequantised weights (~89 MiB) included.
 # The activation estimate (`prefill_bytes_per_token`, ~282 MiB for such a chunk) is itself above the measured
-# ~250 MiB; this margin on it (with the rows' room, `PREFILL_ROW_BLOCK`; the MLP's part for at most a block,
-# `PREFILL_MLP_BLOCK_TOKENS`), two layers' weights exact, sets aside ~508 MiB (523 MiB with the MLP whole; the
-# safety factor on all of it set aside 802 MiB: ~18 rows of a Kev take's 512-token cache).
+# ~250 MiB; this margin on it (with the rows' room, `PREFILL_ROW_BLOCK`; gate/up for at most a block,
+# `PREFILL_MLP_BLOCK_TOKENS`), two layers' weights exact, sets aside ~513 MiB (424 MiB on one adapter; 523 MiB
+# with the MLP whole; the safety factor on all of it set aside 802 MiB: ~18 rows of a Kev take's 512-token cache).
 PREFILL_MARGIN = 1.15
 # Prefill's matmuls run at row counts that are multiples of this block (worker/fastpath/gemm.py), and a chunk's
 # activations hold room for their rows up to the next multiple: what a chunk sets aside counts that many tokens more.
