@@ -218,11 +218,7 @@ class Ops:
             if made is not None:
                 return made
             return self.silu_mul(gate, up) if silu else act(gate) * up
-        if out.shape != gate.shape or not out.is_contiguous():
-            raise ValueError(
-                f"act_mul: out must be contiguous and {tuple(gate.shape)}; got {tuple(out.shape)}, "
-                f"{'contiguous' if out.is_contiguous() else 'not contiguous'}"
-            )
+        pointwise.check_out("act_mul", out, gate)  # before our kernel, which would take a refusal for a failure
         if silu and self.kernels and self._ours(pointwise.silu_mul, gate, up, out) is not None:
             return out
         if silu:

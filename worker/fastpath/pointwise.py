@@ -234,6 +234,15 @@ def rope_fits(qk: torch.Tensor) -> bool:
     return qk.stride(-1) == 1 and dim >= 2 and dim & (dim - 1) == 0
 
 
+def check_out(who: str, out: torch.Tensor, like: torch.Tensor) -> None:
+    """Refuses an `out` an elementwise kernel cannot write as `like`'s rows: of another shape, or not contiguous."""
+    if out.shape != like.shape or not out.is_contiguous():
+        raise ValueError(
+            f"{who}: out must be contiguous and {tuple(like.shape)}; got {tuple(out.shape)}, "
+            f"{'contiguous' if out.is_contiguous() else 'not contiguous'}"
+        )
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU(gate) x up for same-shaped (..., F) tensors whose rows are evenly strided (views of a joint output);
     written into `out` where given (same shape, contiguous: a block's slice of the whole chunk's product)."""
@@ -244,11 +253,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
     if out is None:
         # The down projection's input: room for its padded rows (`gemm.empty_rows`).
         out = gemm.empty_rows(*g.shape, dtype=gate.dtype, device=gate.device)
-    elif out.shape != gate.shape or not out.is_contiguous():
-        raise ValueError(
-            f"silu_mul: out must be contiguous and {tuple(gate.shape)}; got {tuple(out.shape)}, "
-            f"{'contiguous' if out.is_contiguous() else 'not contiguous'}"
-        )
+    else:
+        check_out("silu_mul", out, gate)
     block = 1024
     grid = (g.shape[0], cdiv(features, block))
     with on_device(gate.device):
