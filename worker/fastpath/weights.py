@@ -621,17 +621,14 @@ class Stack:
         block = self.mlp_block_tokens
         if x.dim() != 3 or rows * width <= block:
             return self._mlp_down(layer, x, masks, dense, ops)
-        product: torch.Tensor | None = None
+        # The down projection's input, its width the MLP's inner one: room for its padded rows (`gemm.empty_rows`).
+        product = empty_rows(rows, width, layer.down.base.in_features, dtype=x.dtype, device=x.device)
         for b in mlp_blocks(rows, width, block):
             rows_of, tokens_of = slice(b.row, b.row + b.rows), slice(b.token, b.token + b.span)
             part = [(name, None if m is None else m[rows_of]) for name, m in masks]
             (gate, up), _ = layer.gate_up(x[rows_of, tokens_of], part, dense[2])
-            if product is None:
-                # The down projection's input: room for its padded rows (`gemm.empty_rows`).
-                product = empty_rows(rows, width, gate.shape[-1], dtype=gate.dtype, device=gate.device)
             ops.act_mul(layer.act, gate, up, out=product[rows_of, tokens_of])
             del gate, up
-        assert product is not None
         return layer.down(product, masks, dense[3])
 
     @staticmethod
