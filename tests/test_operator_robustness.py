@@ -290,7 +290,8 @@ def test_a_long_lived_worker_says_when_an_outage_starts_and_ends(caplog: pytest.
         server.stop()
         time.sleep(4.0)  # four of the loop's retries, one of the heartbeat's at least
         server.start()
-        wait_until(lambda: any("is back" in r.getMessage() for r in caplog.records), timeout_s=10)
+        # "is back after": the outage's own warning ("retrying until it is back") must not end the wait.
+        wait_until(lambda: any("is back after" in r.getMessage() for r in caplog.records), timeout_s=10)
         worker.request_stop()
         thread.join(timeout=10)
     said = [(r.levelno, r.getMessage()) for r in caplog.records]
