@@ -1,10 +1,17 @@
-"""Our Triton kernels (`worker/fastpath/pointwise.py`) against the torch.compile'd functions they replace.
+"""Our Triton kernels against what they replace, each figure 28 calls (one per layer of a Qwen2.5-1.5B shape)
+captured as a CUDA graph and replayed (GPU time only, no host launch cost):
 
-Rotary embedding and SiLU x up at a 4,096-token prefill chunk's shape and a 256-row decode step's, each figure
-28 calls (one per layer of a Qwen2.5-1.5B shape) captured as a CUDA graph and replayed (GPU time only, no host
-launch cost); and whether each kernel's output equals eager's bit for bit.
+- pointwise: rotary embedding and SiLU x up (`worker/fastpath/pointwise.py`) against the torch.compile'd
+  functions, at a 4,096-token prefill chunk's shape and a 256-row decode step's; bit-equal to eager or not;
+- dequant: our NF4 dequantise (`worker/fastpath/nf4.py`) and a candidate for it (`bench/nf4bytes.py`) against
+  bitsandbytes', over 28 layers' own weights (the L2 cache holds none of them), with the bytes a layer moves;
+  bit-equal or not;
+- attention: the decode step's attention (`worker/fastpath/decode_attention.py`) against SDPA under the rows'
+  mask, at the shapes of nightly-2000's takes and of long Kev prompts, with the K/V bytes each reads (its own
+  columns) and the largest difference from float32 SDPA.
 
     python -m bench kernels --out bench/out
+    python -m bench kernels --only dequant,attention --out bench/out
 """
 
 from __future__ import annotations
@@ -77,16 +84,112 @@ def shape_report(label: str, rows: int, length: int, device: torch.device) -> di
     }
 
 
+# A Qwen2.5-1.5B layer's four 4-bit projections, (out, in).
+PROJECTIONS = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
+# (rows, cache columns, fewest and most columns a row reads, the step's last column): a nightly Kev take, its
+# tail, a Laya take, long Kev prompts (~1,024 tokens), and a small take of them.
+ATTENTION_SHAPES = (
+    (176, 512, 340, 490, 500),
+    (124, 512, 340, 490, 500),
+    (288, 320, 160, 280, 300),
+    (64, 1152, 1000, 1140, 1150),
+    (16, 1152, 1000, 1140, 1150),
+)
+
+
+def dequant_report(device: torch.device) -> dict[str, Any]:
+    """Our NF4 dequantise, the candidate (`bench/nf4bytes.py`) and bitsandbytes' over 28 layers' four projections,
+    each layer its own weights; whether ours and the candidate are bit-equal to bitsandbytes."""
+    import bitsandbytes.functional as bnb
+
+    from bench import nf4bytes
+    from worker.fastpath import nf4
+
+    layers = []
+    for _ in range(28):
+        layer = []
+        for rows, cols in PROJECTIONS.values():
+            weight = torch.randn(rows, cols, device=device, dtype=torch.bfloat16) * 0.02
+            packed, state = bnb.quantize_4bit(weight, blocksize=64, quant_type="nf4")
+            layer.append((packed, state, state.absmax.float(), (rows, cols)))
+        layers.append(layer)
+    table = nf4.code_table(layers[0][0][1].code)
+    kernels = {
+        "ours": lambda p, a, s: nf4.dequantize(p, a, table, shape=s, blocksize=64, dtype=torch.bfloat16),
+        "candidate": lambda p, a, s: nf4bytes.dequantize(p, a, table, shape=s, blocksize=64, dtype=torch.bfloat16),
+    }
+    equal = {
+        name: all(torch.equal(fn(p, a, s), bnb.dequantize_4bit(p, st)) for p, st, a, s in layers[0])
+        for name, fn in kernels.items()
+    }
+    weights = sum(r * c for r, c in PROJECTIONS.values())
+    ms = {"bitsandbytes": graph_ms(lambda: [bnb.dequantize_4bit(p, st) for layer in layers for p, st, _, _ in layer])}
+    for name, fn in kernels.items():
+        ms[name] = graph_ms(lambda fn=fn: [fn(p, a, s) for layer in layers for p, _, a, s in layer])
+    moved = weights * 2 + weights // 2 + weights // 64 * 4  # bf16 out, packed in, float32 scales
+    return {"dequant_ms_x28": ms, "dequant_equal": equal, "dequant_bytes_a_layer": moved}
+
+
+def attention_report(device: torch.device) -> dict[str, Any]:
+    """The decode step's attention against SDPA under the mask, at `ATTENTION_SHAPES`."""
+    return {f"{shape[0]}x{shape[1]}": attention_shape(*shape, device=device) for shape in ATTENTION_SHAPES}
+
+
+def attention_shape(rows: int, length: int, fewest: int, most: int, last: int, *, device: torch.device) -> dict:
+    """One take's shape: each row reads a random `fewest`..`most` columns ending at `last`, 28 layers' caches."""
+    import torch.nn.functional as F
+
+    from worker.fastpath import decode_attention as da
+
+    kv_heads, groups, dim = 2, 6, 128
+    scale = dim**-0.5
+    joint = torch.randn(rows, (kv_heads * groups + 2 * kv_heads) * dim, device=device, dtype=torch.bfloat16)
+    q = joint[:, : kv_heads * groups * dim].view(rows, kv_heads, groups, dim)
+    caches = [
+        tuple(torch.randn(rows, kv_heads, length, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+        for _ in range(28)
+    ]
+    end = torch.tensor([last], device=device)
+    spans = torch.randint(fewest, most + 1, (rows,), device=device)
+    first = (last + 1 - spans).clamp(min=0)
+    cols = torch.arange(length, device=device)
+    mask = ((cols >= first[:, None]) & (cols <= last)).view(rows, 1, 1, length)
+    k0, v0 = caches[0]
+    want = F.scaled_dot_product_attention(q.float(), k0.float(), v0.float(), attn_mask=mask, scale=scale)
+
+    got = da.decode_attention(q, k0, v0, first, end, scale=scale)
+    error = float((got.float() - want).abs().max()) if got is not None else float("nan")
+    figures = {
+        "ours": graph_ms(lambda: [da.decode_attention(q, k, v, first, end, scale=scale) for k, v in caches]),
+        "sdpa": graph_ms(
+            lambda: [F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale) for k, v in caches]
+        ),
+    }
+    read = float(spans.sum()) * kv_heads * dim * 2 * 2 * 28  # K and V, bf16, 28 layers
+    return {"ms_x28": figures, "max_error": error, "kv_gb": read / 1e9}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m bench kernels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="pointwise,dequant,attention", help="sections to run")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    only = set(args.only.split(","))
+    device = torch.device("cuda")
     torch.manual_seed(0)
-    report = pointwise_report(torch.device("cuda"))
+    command = f"`python -m bench kernels {' '.join(sys.argv[1:] if argv is None else argv)}`"
+    report: dict[str, Any] = {}
+    if "pointwise" in only:
+        report.update(pointwise_report(device))
+    if "dequant" in only:
+        report.update(dequant_report(device))
+    if "attention" in only:
+        report["attention"] = attention_report(device)
     print(report, flush=True)
     save_json(out_dir, "kernels.json", report)
+    hardware = torch.cuda.get_device_name(device)
 
     def figure(label: str, op: str) -> str:
         ms, equal = report[f"{label}_{op}_ms_x28"], report[f"{label}_{op}_equal"]
@@ -94,12 +197,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{label} {op} {ms['compiled']:.2f} -> {ms['triton']:.2f} ms ({'' if equal else 'NOT '}bit-equal to eager)"
         )
 
-    figures = "; ".join(figure(label, op) for label in ("prefill", "decode") for op in ("rope", "silu"))
-    append_results(
-        f"| kernels | H200 | Qwen2.5-1.5B shape, bf16, 28 calls per figure (graph-replayed) | compiled -> Triton: "
-        f"{figures} | `python -m bench kernels {' '.join(sys.argv[1:] if argv is None else argv)}` |",
-        out_dir,
-    )
+    if "pointwise" in only:
+        figures = "; ".join(figure(label, op) for label in ("prefill", "decode") for op in ("rope", "silu"))
+        append_results(
+            f"| kernels | {hardware} | Qwen2.5-1.5B shape, bf16, 28 calls per figure (graph-replayed) | compiled -> "
+            f"Triton: {figures} | {command} |",
+            out_dir,
+        )
+    if "dequant" in only:
+        ms, moved = report["dequant_ms_x28"], report["dequant_bytes_a_layer"]
+        rates = "; ".join(f"{k} {v:.3f} ms ({moved * 28 / v / 1e9:.2f} TB/s)" for k, v in ms.items())
+        append_results(
+            f"| kernels/dequant | {hardware} | NF4 -> bf16, a Qwen2.5-1.5B layer's 4 projections x 28 layers "
+            f"(graph-replayed, each layer its own weights) | {rates}; bit-equal to bitsandbytes: "
+            f"{', '.join(f'{k} {v}' for k, v in report['dequant_equal'].items())} | {command} |",
+            out_dir,
+        )
+    if "attention" in only:
+        cells = []
+        for shape, r in report["attention"].items():
+            ms = r["ms_x28"]
+            cells.append(
+                f"{shape}: ours {ms['ours']:.3f} ms ({r['kv_gb'] / ms['ours']:.2f} TB/s of its columns), SDPA "
+                f"{ms['sdpa']:.3f} ms; max err {r['max_error']:.3f}"
+            )
+        append_results(
+            f"| kernels/attention | {hardware} | decode attention, 2 KV heads x 6 queries x 128, 28 layers "
+            f"(graph-replayed), rows x cache columns | {'; '.join(cells)} | {command} |",
+            out_dir,
+        )
     return report
 
 
