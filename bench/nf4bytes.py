@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from worker.fastpath.nf4 import Target
 from worker.fastpath.pointwise import Launcher, cdiv, triton
 
 BYTES = 4096  # packed bytes a program reads (twice as many weights written)
@@ -65,16 +66,12 @@ def dequantize(
     """As `worker.fastpath.nf4.dequantize`: the (out, in) weight `shape` (`table`: `nf4.code_table`), with `extra`
     (rows, in) appended below it, an (out + rows, in) tensor in `dtype`. Raises where the kernel fails."""
     assert serves(blocksize), blocksize
-    rows, cols = shape
-    more = 0 if extra is None else extra.shape[0]
-    out = torch.empty(rows + more, cols, dtype=dtype, device=packed.device)
-    n_out, n_extra = rows * cols, more * cols
+    t = Target.of(shape, dtype, packed.device, extra)
     half = blocksize // 2
     blocks = max(1, BYTES // half)  # scale blocks a program
-    main = cdiv(cdiv(n_out, blocksize), blocks)
-    source = out if extra is None else extra.to(dtype).contiguous()
+    main = cdiv(cdiv(t.n_out, blocksize), blocks)
     NF4_BYTES(
-        (main + cdiv(n_extra, blocks * blocksize), 1), packed, absmax, table, source, out, n_out, cdiv(n_out, 2),
-        n_extra, main, ROWS=blocks, HALF=half,
+        (main + cdiv(t.n_extra, blocks * blocksize), 1), packed, absmax, table, t.source, t.out, t.n_out,
+        cdiv(t.n_out, 2), t.n_extra, main, ROWS=blocks, HALF=half,
     )  # fmt: skip
-    return out
+    return t.out

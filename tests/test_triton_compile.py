@@ -64,10 +64,9 @@ def test_decode_attention_compiles() -> None:
 
 def test_greedy_choice_compiles() -> None:
     from worker.fastpath import greedy
-
-    parts = {"part_max": "*fp32", "part_at": "*i32", "part_sum": "*fp32", "part_bad": "*i32"}
     from worker.fastpath.pointwise import cdiv
 
+    parts = {"part_max": "*fp32", "part_at": "*i32", "part_sum": "*fp32", "part_bad": "*i32"}
     vocab = 151936
     piece = cdiv(cdiv(vocab, greedy.SPLITS), greedy.BLOCK) * greedy.BLOCK
     slices = {"V": vocab, "SLICE": piece, "BLOCK": greedy.BLOCK, "SPLITS": greedy.SPLITS, "LIBDEVICE": True}

@@ -16,6 +16,8 @@ in the high nibble), one float32 scale (`absmax`, double quantisation decoded on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from worker.fastpath import pointwise
@@ -84,21 +86,35 @@ def dequantize(
     """The (out, in) weight `shape` dequantised (`table`: its type's `code_table`), with `extra` (rows, in)
     appended below it: an (out + rows, in) tensor in `dtype`. None where the kernel failed (then off: the caller's
     bitsandbytes path runs)."""
-    rows, cols = shape
-    more = 0 if extra is None else extra.shape[0]
-    out = torch.empty(rows + more, cols, dtype=dtype, device=packed.device)
-    n_out = rows * cols
-    n_extra = more * cols
-    main = cdiv(n_out, BLOCK)
-    source = out if extra is None else extra.to(dtype).contiguous()
+    t = Target.of(shape, dtype, packed.device, extra)
+    main = cdiv(t.n_out, BLOCK)
 
     def launch() -> None:
         NF4(
-            (main + cdiv(n_extra, BLOCK), 1), packed, absmax, table, source, out, n_out, n_extra, main,
+            (main + cdiv(t.n_extra, BLOCK), 1), packed, absmax, table, t.source, t.out, t.n_out, t.n_extra, main,
             BLOCK=BLOCK, BS=blocksize,
         )  # fmt: skip
 
     if not pointwise.launched(launch, packed.device, "NF4 dequantise"):
         KERNEL.on = False
         return None
-    return out
+    return t.out
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a dequantise writes: the (out + rows, in) tensor, what its appended rows are copied from (the tensor
+    itself where none are appended: an argument no program reads), and both parts' element counts."""
+
+    out: torch.Tensor
+    source: torch.Tensor
+    n_out: int
+    n_extra: int
+
+    @classmethod
+    def of(cls, shape: tuple[int, int], dtype: torch.dtype, device: torch.device, extra: torch.Tensor | None) -> Target:
+        rows, cols = shape
+        more = 0 if extra is None else extra.shape[0]
+        out = torch.empty(rows + more, cols, dtype=dtype, device=device)
+        source = out if extra is None else extra.to(dtype).contiguous()
+        return cls(out=out, source=source, n_out=rows * cols, n_extra=more * cols)
