@@ -3,9 +3,8 @@ captured as a CUDA graph and replayed (GPU time only, no host launch cost):
 
 - pointwise: rotary embedding and SiLU x up (`worker/fastpath/pointwise.py`) against the torch.compile'd
   functions, at a 4,096-token prefill chunk's shape and a 256-row decode step's; bit-equal to eager or not;
-- dequant: our NF4 dequantise (`worker/fastpath/nf4.py`) and a candidate for it (`bench/nf4bytes.py`) against
-  bitsandbytes', over 28 layers' own weights (the L2 cache holds none of them), with the bytes a layer moves;
-  bit-equal or not;
+- dequant: our NF4 dequantise (`worker/fastpath/nf4.py`) against bitsandbytes', over 28 layers' own weights (the
+  L2 cache holds none of them), with the bytes a layer moves; bit-equal or not;
 - attention: the decode step's attention (`worker/fastpath/decode_attention.py`) against SDPA under the rows'
   mask, at the shapes of nightly-2000's takes and of long Kev prompts, with the K/V bytes each reads (its own
   columns) and the largest difference from float32 SDPA.
@@ -98,11 +97,10 @@ ATTENTION_SHAPES = (
 
 
 def dequant_report(device: torch.device) -> dict[str, Any]:
-    """Our NF4 dequantise, the candidate (`bench/nf4bytes.py`) and bitsandbytes' over 28 layers' four projections,
-    each layer its own weights; whether ours and the candidate are bit-equal to bitsandbytes."""
+    """Our NF4 dequantise and bitsandbytes' over 28 layers' four projections, each layer its own weights; whether
+    ours is bit-equal to bitsandbytes'."""
     import bitsandbytes.functional as bnb
 
-    from bench import nf4bytes
     from worker.fastpath import nf4
 
     layers = []
@@ -116,7 +114,6 @@ def dequant_report(device: torch.device) -> dict[str, Any]:
     table = nf4.code_table(layers[0][0][1].code)
     kernels = {
         "ours": lambda p, a, s: nf4.dequantize(p, a, table, shape=s, blocksize=64, dtype=torch.bfloat16),
-        "candidate": lambda p, a, s: nf4bytes.dequantize(p, a, table, shape=s, blocksize=64, dtype=torch.bfloat16),
     }
     equal = {
         name: all(torch.equal(fn(p, a, s), bnb.dequantize_4bit(p, st)) for p, st, a, s in layers[0])

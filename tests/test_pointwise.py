@@ -267,20 +267,21 @@ def test_our_nf4_dequantise_is_bitsandbytes_and_keeps_its_appended_rows() -> Non
     """Our NF4 kernel (worker/fastpath/nf4.py) reads bitsandbytes' packing: bit-equal to the format's arithmetic
     (the code's float32 value times the block's scale, rounded once) and to bitsandbytes' own CPU dequantise at
     its default blocks of 64 (fp16 and fp32 here; the interpreter rounds bf16 by truncation, so bf16 against
-    bitsandbytes' CUDA op is checked on the GPU), in blocks of 64 and 128, with a partial last program, and the
-    extra rows appended exactly."""
+    bitsandbytes' CUDA op is checked on the GPU), in blocks of 64, 128 and 4,096 (one block a program), with a
+    partial last program, an odd-sized last block, and the extra rows appended exactly."""
     out = run_interpreted("""
         import torch
         import bitsandbytes.functional as bnb
         from worker.fastpath import nf4
         torch.manual_seed(0)
         for dtype in (torch.float16, torch.float32):
-            for rows, cols, blocksize, more in ((96, 128, 64, 5), (24, 320, 128, 0), (3, 64, 64, 1)):
+            cases = ((96, 128, 64, 5), (24, 320, 128, 0), (3, 64, 64, 1), (5, 24, 64, 0), (2, 4096, 4096, 2))
+            for rows, cols, blocksize, more in cases:
                 weight = torch.randn(rows, cols, dtype=dtype) * 3
                 packed, state = bnb.quantize_4bit(weight, blocksize=blocksize, quant_type="nf4")
                 # The format: the first element of a byte in its high nibble, one scale per block.
                 codes = torch.stack((packed.flatten().long() >> 4, packed.flatten().long() & 15), 1).flatten()
-                scales = state.absmax.float().repeat_interleave(blocksize)
+                scales = state.absmax.float().repeat_interleave(blocksize)[: rows * cols]  # a last block may be short
                 want = (state.code.float()[codes] * scales).to(dtype).view(rows, cols)
                 if blocksize == 64:  # bitsandbytes' own CPU dequantise (its blocks of 128 read otherwise on the CPU)
                     own = torch.ops.bitsandbytes.dequantize_4bit.default(
@@ -289,6 +290,7 @@ def test_our_nf4_dequantise_is_bitsandbytes_and_keeps_its_appended_rows() -> Non
                 extra = torch.randn(more, cols, dtype=dtype) if more else None
                 assert nf4.serves(packed.device, dtype, "nf4", blocksize) and not nf4.serves(
                     packed.device, dtype, "fp4", blocksize)
+                assert not nf4.serves(packed.device, dtype, "nf4", 48)  # blocks of whole bytes, a power of two
                 got = nf4.dequantize(packed, state.absmax.float(), nf4.code_table(state.code), shape=(rows, cols),
                                      blocksize=blocksize, dtype=dtype, extra=extra)
                 assert got.shape == (rows + more, cols)

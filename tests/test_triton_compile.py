@@ -1,8 +1,7 @@
 """Our Triton kernels compiled for the GPU (Hopper, sm_90) on the CPU, by Triton's own compiler: the interpreter
 the other kernel tests run on executes Python, so it accepts code the compiler refuses (a variable given another
 shape in each branch of an `if` ran interpreted and failed to compile on the H100). Each kernel at the dtypes
-and block sizes the worker launches it with for a Qwen2.5-1.5B shape in bf16, and the candidate NF4 kernel of
-`bench/nf4bytes.py`."""
+and block sizes the worker launches it with for a Qwen2.5-1.5B shape in bf16."""
 
 from __future__ import annotations
 
@@ -35,22 +34,16 @@ def compiled(
 NF4_POINTERS = {"packed": "*u8", "absmax": "*fp32", "code": "*fp32", "extra": "*bf16", "out": "*bf16"}
 
 
-def test_nf4_dequantise_compiles() -> None:
+def test_nf4_dequantise_compiles_with_whole_bytes_per_load() -> None:
     from worker.fastpath import nf4
-
-    constexprs = {"BLOCK": nf4.BLOCK, "BS": 64}
-    assert ".entry _nf4_kernel" in compiled(nf4._nf4_kernel, NF4_POINTERS, constexprs, ("n_out", "n_extra"))
-
-
-def test_the_candidate_nf4_dequantise_compiles_with_whole_bytes_per_load() -> None:
-    from bench import nf4bytes
 
     for blocksize in (64, 4096):  # bitsandbytes' default blocks, and its largest (one block a program)
         half = blocksize // 2
-        constexprs = {"ROWS": max(1, nf4bytes.BYTES // half), "HALF": half}
+        constexprs = {"ROWS": max(1, nf4.BYTES // half), "HALF": half}
         sizes = ("n_out", "n_bytes", "n_extra")  # a Qwen2.5-1.5B projection's: multiples of 16
-        ptx = compiled(nf4bytes._nf4_bytes_kernel, NF4_POINTERS, constexprs, sizes, num_warps=nf4bytes.WARPS)
-        # The packed bytes load 16 at a time (the worker's kernel loads each byte by itself).
+        ptx = compiled(nf4._nf4_kernel, NF4_POINTERS, constexprs, sizes, num_warps=nf4.WARPS)
+        # The packed bytes load 16 at a time, not byte by byte.
+        assert ".entry _nf4_kernel" in ptx
         assert "ld.global.b8" not in ptx and "ld.global.v4.b32" in ptx
 
 

@@ -24,10 +24,12 @@ from worker.fastpath import pointwise
 from worker.fastpath.ops import KernelSwitch
 from worker.fastpath.pointwise import INTERPRETED, Launcher, cdiv, triton
 
-# Weights a program writes (half as many packed bytes). Measured on the H200 (`probe` of 2026-12-03, every
-# projection of a Qwen2.5-1.5B layer, L2 flushed): 57.9 us a layer against 64.1 for the kernel before this one
-# (a byte a lane, both elements from a 256-entry table of pairs, 1,024 bytes a program, sizes unspecialised).
-BLOCK = 8192
+# Packed bytes a program reads (twice as many weights written) and its warps. Measured on an H100 (`bench kernels
+# --only dequant`, a Qwen2.5-1.5B layer's four projections x 28 layers, each its own weights): 1.442 ms against
+# 1.553 for the kernel before this one (a weight a lane: each byte loaded by itself, twice, and a scale per
+# weight) and 1.777 for bitsandbytes'.
+BYTES = 4096
+WARPS = 4
 
 if triton is not None:
     import triton.language as tl
@@ -35,25 +37,29 @@ if triton is not None:
     # The sizes are specialised (multiples of 16 give vectorised, unmasked-in-effect loads and stores; a model's
     # four projections share one pattern, compiled in the warm-up); `main` only splits the grid.
     @triton.jit(do_not_specialize=["main"])
-    def _nf4_kernel(packed, absmax, code, extra, out, n_out, n_extra, main, BLOCK: tl.constexpr,
-                    BS: tl.constexpr):  # fmt: skip
+    def _nf4_kernel(packed, absmax, code, extra, out, n_out, n_bytes, n_extra, main, ROWS: tl.constexpr,
+                    HALF: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0)
         if pid < main:
-            # One lane a weight: its byte (read twice, by it and its neighbour: cached), its nibble's value from
-            # the 16-entry code (64 bytes, so a warp's lookups hit one or two cache lines), its block's scale.
-            at = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            inside = at < n_out
-            b = tl.load(packed + at // 2, mask=inside, other=0).to(tl.int32)
-            nibble = tl.where(at % 2 == 0, b >> 4, b & 15)  # the first element of a byte in its high nibble
-            value = tl.load(code + nibble)
-            scale = tl.load(absmax + at // BS, mask=inside, other=0.0)
-            tl.store(out + at, (value * scale).to(out.dtype.element_ty), mask=inside)
-        else:  # the rows appended: a plain copy
-            at = (pid - main).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            within = at < n_extra
-            tl.store(out + n_out + at, tl.load(extra + at, mask=within), mask=within)
+            # ROWS scale blocks of HALF packed bytes: whole bytes a lane (loads of 16 bytes, masked by bytes), a
+            # block's scale loaded once and broadcast along its bytes, both weights of a byte from the 16-entry
+            # code (64 bytes: a warp's lookups hit one or two cache lines), joined back into element order.
+            block = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+            at = block[:, None] * HALF + tl.arange(0, HALF)[None, :]
+            b = tl.load(packed + at, mask=at < n_bytes, other=0).to(tl.int32)
+            scale = tl.load(absmax + block, mask=2 * HALF * block < n_out, other=0.0)[:, None]
+            first = (tl.load(code + (b >> 4)) * scale).to(out.dtype.element_ty)  # a byte's first: its high nibble
+            second = (tl.load(code + (b & 15)) * scale).to(out.dtype.element_ty)
+            pair = tl.reshape(tl.join(first, second), (ROWS, 2 * HALF))
+            to = block[:, None] * (2 * HALF) + tl.arange(0, 2 * HALF)[None, :]
+            tl.store(out + to, pair, mask=to < n_out)
+        else:  # the rows appended: a plain copy, as many elements a program as the others write
+            # (names of their own: Triton types a variable once for both branches of the `if`)
+            copied = (pid - main).to(tl.int64) * (2 * ROWS * HALF) + tl.arange(0, 2 * ROWS * HALF)
+            within = copied < n_extra
+            tl.store(out + n_out + copied, tl.load(extra + copied, mask=within), mask=within)
 
-    NF4 = Launcher(_nf4_kernel, outputs=(4,), num_warps=8)
+    NF4 = Launcher(_nf4_kernel, outputs=(4,), num_warps=WARPS)
 
 
 # Whether our kernel runs: off for good once it failed (logged once; bitsandbytes' path from then on).
@@ -69,7 +75,7 @@ def code_table(code: torch.Tensor) -> torch.Tensor:
 def serves(device: torch.device, dtype: torch.dtype, quant_type: str, blocksize: int) -> bool:
     """Whether `dequantize` takes a weight of this layout into `dtype` on `device`."""
     floats = (torch.bfloat16, torch.float16, *((torch.float32,) if INTERPRETED else ()))
-    layout = quant_type == "nf4" and blocksize % 2 == 0
+    layout = quant_type == "nf4" and blocksize >= 2 and blocksize & (blocksize - 1) == 0  # whole bytes, 2^k
     return KERNEL.on and layout and dtype in floats and pointwise.available(device, dtype)
 
 
@@ -87,12 +93,14 @@ def dequantize(
     appended below it: an (out + rows, in) tensor in `dtype`. None where the kernel failed (then off: the caller's
     bitsandbytes path runs)."""
     t = Target.of(shape, dtype, packed.device, extra)
-    main = cdiv(t.n_out, BLOCK)
+    half = blocksize // 2
+    blocks = max(1, BYTES // half)  # scale blocks a program
+    main = cdiv(cdiv(t.n_out, blocksize), blocks)
 
     def launch() -> None:
         NF4(
-            (main + cdiv(t.n_extra, BLOCK), 1), packed, absmax, table, t.source, t.out, t.n_out, t.n_extra, main,
-            BLOCK=BLOCK, BS=blocksize,
+            (main + cdiv(t.n_extra, blocks * blocksize), 1), packed, absmax, table, t.source, t.out, t.n_out,
+            cdiv(t.n_out, 2), t.n_extra, main, ROWS=blocks, HALF=half,
         )  # fmt: skip
 
     if not pointwise.launched(launch, packed.device, "NF4 dequantise"):
