@@ -1,5 +1,5 @@
-"""`python -m bench {engine|nightly|fastpath|mixed|timeline|gaps|multigpu|kernels|variants|nf4fused|prefill|shapes|
-submit|soak|recovery}`."""
+"""`python -m bench {engine|nightly|fastpath|mixed|timeline|gaps|multigpu|kernels|variants|nf4fused|slices|prefill|
+shapes|submit|soak|recovery}`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def main() -> None:
         "kernels": "bench.kernels",
         "variants": "bench.variants",
         "nf4fused": "bench.nf4fused",
+        "slices": "bench.slices",
         "prefill": "bench.prefill",
         "shapes": "bench.shapes",
     }

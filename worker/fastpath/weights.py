@@ -221,11 +221,16 @@ def folded_matmul(
     kernel with the adapters' A rows appended: one dequantise, one matmul, one expand (and a mask per adapter of
     a mixed batch) where bitsandbytes' path and the separate LoRA took two launches a projection more (`nf4`).
     None where the kernel failed (the caller's path runs). The result is a view of the joint output."""
-    n = layout.shape[0]
     weight = layout.dense_with(packed, fold.a)
     if weight is None:
         return None
-    out = F.linear(x.to(weight.dtype), weight, fold.bias)
+    return expand_folded(F.linear(x.to(weight.dtype), weight, fold.bias), x, layout.shape[0], fold, masks)
+
+
+def expand_folded(out: torch.Tensor, x: torch.Tensor, n: int, fold: Fold, masks: Masks) -> torch.Tensor:
+    """`folded_matmul`'s second half: `out` = x [W; A]^T (+ bias), its first `n` columns the base output, the rest
+    each adapter's shrink; each shrink masked per row where `masks` say, all expanded by the stacked B into the
+    base columns in place. The result is a view of `out`, in `x`'s dtype."""
     if fold.b is None:
         return out.to(x.dtype)
     by_name = dict(masks)
