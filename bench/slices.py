@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     shares = [int(s) for s in args.shares.split(",")]
     report: dict[str, Any] = {"l2_bytes": l2_bytes(device)}
+    if not report["l2_bytes"]:
+        sys.exit("bench slices: this torch reports no L2 cache size for the device (L2_cache_size)")
     for rows in (int(r) for r in args.rows.split(",")):
         for name in PROJECTIONS:
             report[f"{rows}/{name}"] = shape_report(name, rows, shares, device)
