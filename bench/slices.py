@@ -44,13 +44,19 @@ class RowSpan:
 
 
 def row_spans(shape: tuple[int, int], itemsize: int, blocksize: int, most_bytes: int) -> tuple[RowSpan, ...]:
-    """A weight's rows in as few slices as keep each slice's dequantised bytes within `most_bytes` (0: one slice),
-    each a multiple of `SPAN_ROWS` rows that starts a scale block."""
+    """A weight's rows in as few slices of even size as keep each slice's dequantised bytes within `most_bytes`
+    (0: one slice; a slice of the alignment alone where even that is more), each a multiple of `SPAN_ROWS` rows
+    that starts a scale block (the last may be shorter; the LoRA rows `sliced_matmul` appends to it not counted)."""
     rows, cols = shape
-    if most_bytes <= 0 or rows * cols * itemsize <= most_bytes:
+    row_bytes = cols * itemsize
+    if most_bytes <= 0 or rows * row_bytes <= most_bytes:
         return (RowSpan(0, rows),)
     align = math.lcm(SPAN_ROWS, blocksize // math.gcd(cols, blocksize))
-    step = cdiv(cdiv(rows, cdiv(rows * cols * itemsize, most_bytes)), align) * align
+    parts = cdiv(rows * row_bytes, most_bytes)
+    step = cdiv(cdiv(rows, parts), align) * align
+    while step > align and step * row_bytes > most_bytes:  # rounded up to the alignment past the budget
+        parts += 1
+        step = cdiv(cdiv(rows, parts), align) * align
     return tuple(RowSpan(first, min(step, rows - first)) for first in range(0, rows, step))
 
 
@@ -106,6 +112,7 @@ class Projection:
 
 
 def projection(shape: tuple[int, int], device: torch.device) -> Projection:
+    """A random (out, in) bf16 weight in NF4 (blocks of 64) with a Kev LoRA of rank 16 and a Laya one of rank 8."""
     import bitsandbytes.functional as bnb
 
     rows, cols = shape

@@ -31,6 +31,10 @@ def test_the_folded_matmul_in_row_slices_is_the_workers_whole_one() -> None:
         assert [(s.first, s.count) for s in spans] == [(0, 128), (128, 128), (256, 128), (384, 128), (512, 88)]
         assert slices.row_spans((rows, cols), 4, 64, rows * cols * 4) == (slices.RowSpan(0, rows),)
         assert slices.row_spans((rows, cols), 4, 64, 0) == (slices.RowSpan(0, rows),)
+        # Each slice within the budget, even where rounding up to 128 rows would pass it: down's (1536, 8960) in
+        # bf16 at 6.55 MB takes six slices of 256 rows, not four of 384.
+        down = slices.row_spans((1536, 8960), 2, 64, 6_553_600)
+        assert [(s.first, s.count) for s in down] == [(256 * i, 256) for i in range(6)]
         # 40 columns, blocks of 64: a slice starts a block every 8 rows (within the 128-row alignment).
         assert all(s.first * 40 % 64 == 0 for s in slices.row_spans((1000, 40), 2, 64, 300 * 40 * 2))
         for bias in (torch.randn(rows), None):

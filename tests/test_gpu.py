@@ -315,13 +315,14 @@ def test_prefill_and_scoring_after_a_shared_prefix_are_those_of_the_whole_rows(
 
 def test_our_nf4_kernel_is_bitsandbytes_dequantise_in_bfloat16() -> None:
     """Our NF4 kernel (worker/fastpath/nf4.py) on the GPU, bf16 out: bit-equal to bitsandbytes' CUDA dequantise,
-    in blocks of 64 and 128, with rows appended exactly."""
+    in blocks of 64, 128 and 4,096 (two blocks a program), with a short last block, with rows appended exactly."""
     import bitsandbytes.functional as bnb
 
     from worker.fastpath import nf4
 
     torch.manual_seed(0)
-    for rows, cols, blocksize in ((2048, 1536, 64), (8960, 1536, 64), (1536, 8960, 128), (3, 64, 64)):
+    shapes = ((2048, 1536, 64), (8960, 1536, 64), (1536, 8960, 128), (3, 64, 64), (2, 4096, 4096), (5, 24, 64))
+    for rows, cols, blocksize in shapes:
         weight = torch.randn(rows, cols, dtype=torch.bfloat16, device="cuda")
         packed, state = bnb.quantize_4bit(weight, blocksize=blocksize, quant_type="nf4")
         want = torch.ops.bitsandbytes.dequantize_4bit.default(

@@ -267,7 +267,7 @@ def test_our_nf4_dequantise_is_bitsandbytes_and_keeps_its_appended_rows() -> Non
     """Our NF4 kernel (worker/fastpath/nf4.py) reads bitsandbytes' packing: bit-equal to the format's arithmetic
     (the code's float32 value times the block's scale, rounded once) and to bitsandbytes' own CPU dequantise at
     its default blocks of 64 (fp16 and fp32 here; the interpreter rounds bf16 by truncation, so bf16 against
-    bitsandbytes' CUDA op is checked on the GPU), in blocks of 64, 128 and 4,096 (one block a program), with a
+    bitsandbytes' CUDA op is checked on the GPU), in blocks of 64, 128 and 4,096 (two blocks a program), with a
     partial last program, an odd-sized last block, and the extra rows appended exactly."""
     out = run_interpreted("""
         import torch

@@ -37,9 +37,8 @@ NF4_POINTERS = {"packed": "*u8", "absmax": "*fp32", "code": "*fp32", "extra": "*
 def test_nf4_dequantise_compiles_with_whole_bytes_per_load() -> None:
     from worker.fastpath import nf4
 
-    for blocksize in (64, 4096):  # bitsandbytes' default blocks, and its largest (one block a program)
-        half = blocksize // 2
-        constexprs = {"ROWS": max(1, nf4.BYTES // half), "HALF": half}
+    for blocksize in (64, 4096):  # bitsandbytes' default blocks, and its largest (two blocks a program)
+        constexprs = {"ROWS": nf4.blocks_a_program(blocksize), "HALF": blocksize // 2}
         sizes = ("n_out", "n_bytes", "n_extra")  # a Qwen2.5-1.5B projection's: multiples of 16
         ptx = compiled(nf4._nf4_kernel, NF4_POINTERS, constexprs, sizes, num_warps=nf4.WARPS)
         # The packed bytes load 16 at a time, not byte by byte.

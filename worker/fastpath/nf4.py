@@ -79,6 +79,11 @@ def serves(device: torch.device, dtype: torch.dtype, quant_type: str, blocksize:
     return KERNEL.on and layout and dtype in floats and pointwise.available(device, dtype)
 
 
+def blocks_a_program(blocksize: int) -> int:
+    """Scale blocks a program of the kernel dequantises (`BYTES` packed bytes, or one block where it is larger)."""
+    return max(1, BYTES // (blocksize // 2))
+
+
 def dequantize(
     packed: torch.Tensor,
     absmax: torch.Tensor,
@@ -94,7 +99,7 @@ def dequantize(
     bitsandbytes path runs)."""
     t = Target.of(shape, dtype, packed.device, extra)
     half = blocksize // 2
-    blocks = max(1, BYTES // half)  # scale blocks a program
+    blocks = blocks_a_program(blocksize)
     main = cdiv(cdiv(t.n_out, blocksize), blocks)
 
     def launch() -> None:

@@ -230,7 +230,7 @@ def folded_matmul(
 def expand_folded(out: torch.Tensor, x: torch.Tensor, n: int, fold: Fold, masks: Masks) -> torch.Tensor:
     """`folded_matmul`'s second half: `out` = x [W; A]^T (+ bias), its first `n` columns the base output, the rest
     each adapter's shrink; each shrink masked per row where `masks` say, all expanded by the stacked B into the
-    base columns in place. The result is a view of `out`, in `x`'s dtype."""
+    base columns in place. The result is in `x`'s dtype: a view of `out` where that is its own."""
     if fold.b is None:
         return out.to(x.dtype)
     by_name = dict(masks)
