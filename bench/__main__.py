@@ -1,5 +1,5 @@
-"""`python -m bench {engine|nightly|fastpath|mixed|timeline|gaps|multigpu|kernels|variants|nf4fused|slices|prefill|
-shapes|submit|soak|recovery}`."""
+"""`python -m bench {engine|nightly|fastpath|mixed|timeline|gaps|multigpu|kernels|variants|nf4fused|slices|nf4merge|
+prefill|shapes|submit|soak|recovery}`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def main() -> None:
         "variants": "bench.variants",
         "nf4fused": "bench.nf4fused",
         "slices": "bench.slices",
+        "nf4merge": "bench.nf4merge",
         "prefill": "bench.prefill",
         "shapes": "bench.shapes",
     }
