@@ -1,7 +1,8 @@
 """The candidate of `bench nf4merge`, run on the CPU by Triton's interpreter: a 4-bit weight dequantised with a
 LoRA merged in by one kernel equal to the format's arithmetic then `addmm_`'s (the weight rounded to the compute
-dtype, plus B A summed in float32, rounded once) in fp32 and fp16, in blocks of 64 and 128, at ranks below, at
-and above one dot's 16, with partial tiles and blocks that straddle rows; and compiled for sm_90."""
+dtype, plus B A summed in float32, rounded once), in fp32 and fp16 (the interpreter multiplies bf16 tiles wrongly:
+bf16 is checked on the GPU, tests/test_gpu.py), in blocks of 64 and 128, at ranks below, at and above one dot's
+16, with partial tiles and blocks that straddle rows; and compiled for sm_90."""
 
 from __future__ import annotations
 

@@ -393,6 +393,33 @@ def test_the_lora_folded_nf4_matmul_is_the_separate_one_within_bfloat16_rounding
         nf4.KERNEL.on = True
 
 
+def test_the_merged_dequantise_candidate_is_dequantise_then_addmm_in_bfloat16() -> None:
+    """`bench nf4merge`'s kernel on the GPU in bf16 (Triton's interpreter multiplies bf16 tiles wrongly, so the CPU
+    test runs fp16 and fp32): a Qwen2.5-1.5B gate/up and down weight in NF4 with a rank-16 and a rank-24 LoRA merged,
+    against bitsandbytes' dequantise then `addmm_` -- within one bf16 rounding of the merged value (cuBLAS sums B A
+    in another order), at every tile `bench nf4merge` times."""
+    import bitsandbytes.functional as bnb
+
+    from bench import nf4merge
+    from worker.fastpath import nf4
+    from worker.fastpath.quant4 import Layout4bit
+
+    torch.manual_seed(0)
+    for (rows, cols), rank in (((17920, 1536), 16), ((1536, 8960), 24)):
+        weight = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 0.02
+        packed, state = bnb.quantize_4bit(weight, blocksize=64, quant_type="nf4")
+        layout = Layout4bit(
+            absmax=state.absmax.float(), blocksize=64, quant_type="nf4", shape=[rows, cols], dtype=torch.bfloat16,
+            code=nf4.code_table(state.code),
+        )  # fmt: skip
+        b = torch.randn(rows, rank, device="cuda", dtype=torch.bfloat16) * 0.02
+        a = torch.randn(rank, cols, device="cuda", dtype=torch.bfloat16) * 0.02
+        want = layout.dense(packed).addmm_(b, a)
+        for tile in nf4merge.TILES:
+            got = nf4merge.dense_merged(layout, packed, b, a, tile)
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
+
+
 def test_the_pinned_ring_never_overwrites_bytes_a_queued_copy_has_not_read() -> None:
     """Copies queued behind a long kernel, through a ring a fraction of their total size: the host comes round to
     each region while the GPU has not yet run the copies from it, and must wait for them; every tensor arrives as
