@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.common import append_results, save_json
+from worker.fastpath.quant4 import Layout4bit
 
 
 def graph_ms(fn: Callable[[], object], reps: int = 20) -> float:
@@ -96,6 +98,29 @@ ATTENTION_SHAPES = (
 )
 
 
+@dataclass(frozen=True)
+class Nf4Weight:
+    """A random 4-bit weight as the worker's loop holds one: bitsandbytes' packed bytes and their layout."""
+
+    layout: Layout4bit
+    packed: torch.Tensor
+
+
+def random_nf4(shape: tuple[int, int], device: torch.device) -> Nf4Weight:
+    """A random (out, in) bf16 weight (a trained layer's scale, ~0.02) in NF4, blocks of 64, scales in float32."""
+    import bitsandbytes.functional as bnb
+
+    from worker.fastpath import nf4
+
+    weight = torch.randn(*shape, device=device, dtype=torch.bfloat16) * 0.02
+    packed, state = bnb.quantize_4bit(weight, blocksize=64, quant_type="nf4")
+    layout = Layout4bit(
+        absmax=state.absmax.float(), blocksize=64, quant_type="nf4", shape=list(shape), dtype=torch.bfloat16,
+        code=nf4.code_table(state.code),
+    )  # fmt: skip
+    return Nf4Weight(layout=layout, packed=packed)
+
+
 def dequant_report(device: torch.device) -> dict[str, Any]:
     """Our NF4 dequantise and bitsandbytes' over 28 layers' four projections, each layer its own weights; whether
     ours is bit-equal to bitsandbytes'."""
@@ -112,17 +137,16 @@ def dequant_report(device: torch.device) -> dict[str, Any]:
             layer.append((packed, state, state.absmax.float(), (rows, cols)))
         layers.append(layer)
     table = nf4.code_table(layers[0][0][1].code)
-    kernels = {
-        "ours": lambda p, a, s: nf4.dequantize(p, a, table, shape=s, blocksize=64, dtype=torch.bfloat16),
-    }
-    equal = {
-        name: all(torch.equal(fn(p, a, s), bnb.dequantize_4bit(p, st)) for p, st, a, s in layers[0])
-        for name, fn in kernels.items()
-    }
+
+    def ours(p: torch.Tensor, a: torch.Tensor, s: tuple[int, int]) -> torch.Tensor | None:
+        return nf4.dequantize(p, a, table, shape=s, blocksize=64, dtype=torch.bfloat16)
+
+    equal = {"ours": all(torch.equal(ours(p, a, s), bnb.dequantize_4bit(p, st)) for p, st, a, s in layers[0])}
     weights = sum(r * c for r, c in PROJECTIONS.values())
-    ms = {"bitsandbytes": graph_ms(lambda: [bnb.dequantize_4bit(p, st) for layer in layers for p, st, _, _ in layer])}
-    for name, fn in kernels.items():
-        ms[name] = graph_ms(lambda fn=fn: [fn(p, a, s) for layer in layers for p, _, a, s in layer])
+    ms = {
+        "bitsandbytes": graph_ms(lambda: [bnb.dequantize_4bit(p, st) for layer in layers for p, st, _, _ in layer]),
+        "ours": graph_ms(lambda: [ours(p, a, s) for layer in layers for p, _, a, s in layer]),
+    }
     moved = weights * 2 + weights // 2 + weights // 64 * 4  # bf16 out, packed in, float32 scales
     return {"dequant_ms_x28": ms, "dequant_equal": equal, "dequant_bytes_a_layer": moved}
 

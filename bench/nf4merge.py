@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from bench.common import append_results, save_json
-from bench.kernels import PROJECTIONS, graph_ms
+from bench.kernels import PROJECTIONS, graph_ms, random_nf4
 from worker.fastpath.pointwise import Launcher, cdiv, triton
 from worker.fastpath.quant4 import Layout4bit
 
@@ -84,22 +84,13 @@ def dense_merged(
 def shape_report(name: str, device: torch.device) -> dict[str, Any]:
     """One projection's 28 layers, each its own weight and a rank-16 LoRA: the worker's two steps, our dequantise
     with `addmm_`, and the candidate at each of `TILES`; ms, and the largest difference from the worker's."""
-    import bitsandbytes.functional as bnb
-
-    from worker.fastpath import nf4
-
     rows, cols = PROJECTIONS[name]
     layers = []
     for _ in range(28):
-        weight = torch.randn(rows, cols, device=device, dtype=torch.bfloat16) * 0.02
-        packed, state = bnb.quantize_4bit(weight, blocksize=64, quant_type="nf4")
-        layout = Layout4bit(
-            absmax=state.absmax.float(), blocksize=64, quant_type="nf4", shape=[rows, cols], dtype=torch.bfloat16,
-            code=nf4.code_table(state.code),
-        )  # fmt: skip
+        weight = random_nf4((rows, cols), device)
         b = torch.randn(rows, 16, device=device, dtype=torch.bfloat16) * 0.02
         a = torch.randn(16, cols, device=device, dtype=torch.bfloat16) * 0.02
-        layers.append((layout, packed, b, a))
+        layers.append((weight.layout, weight.packed, b, a))
     layout, packed, b, a = layers[0]
     want = layout.dense(packed).addmm_(b, a)
     ms = {

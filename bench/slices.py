@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from bench.common import append_results, save_json
-from bench.kernels import PROJECTIONS, graph_ms
+from bench.kernels import PROJECTIONS, graph_ms, random_nf4
 from worker.fastpath import nf4
 from worker.fastpath.pointwise import cdiv
 from worker.fastpath.quant4 import Layout4bit
@@ -112,22 +112,15 @@ class Projection:
 
 
 def projection(shape: tuple[int, int], device: torch.device) -> Projection:
-    """A random (out, in) bf16 weight in NF4 (blocks of 64) with a Kev LoRA of rank 16 and a Laya one of rank 8."""
-    import bitsandbytes.functional as bnb
-
+    """A random (out, in) weight in NF4 (`random_nf4`) with a Kev LoRA of rank 16 and a Laya one of rank 8."""
     rows, cols = shape
-    weight = torch.randn(rows, cols, device=device, dtype=torch.bfloat16) * 0.02
-    packed, state = bnb.quantize_4bit(weight, blocksize=64, quant_type="nf4")
-    layout = Layout4bit(
-        absmax=state.absmax.float(), blocksize=64, quant_type="nf4", shape=[rows, cols], dtype=torch.bfloat16,
-        code=nf4.code_table(state.code),
-    )  # fmt: skip
+    weight = random_nf4(shape, device)
     loras = [
         (name, torch.randn(r, cols, device=device, dtype=torch.bfloat16) * 0.02,
          torch.randn(rows, r, device=device, dtype=torch.bfloat16) * 0.02)
         for name, r in (("kev", 16), ("laya", 8))
     ]  # fmt: skip
-    return Projection(layout=layout, packed=packed, fold=Fold.of(loras, None))
+    return Projection(layout=weight.layout, packed=weight.packed, fold=Fold.of(loras, None))
 
 
 def shape_report(name: str, rows: int, shares: list[int], device: torch.device) -> dict[str, Any]:

@@ -398,20 +398,13 @@ def test_the_merged_dequantise_candidate_is_dequantise_then_addmm_in_bfloat16() 
     test runs fp16 and fp32): a Qwen2.5-1.5B gate/up and down weight in NF4 with a rank-16 and a rank-24 LoRA merged,
     against bitsandbytes' dequantise then `addmm_` -- within one bf16 rounding of the merged value (cuBLAS sums B A
     in another order), at every tile `bench nf4merge` times."""
-    import bitsandbytes.functional as bnb
-
     from bench import nf4merge
-    from worker.fastpath import nf4
-    from worker.fastpath.quant4 import Layout4bit
+    from bench.kernels import random_nf4
 
     torch.manual_seed(0)
     for (rows, cols), rank in (((17920, 1536), 16), ((1536, 8960), 24)):
-        weight = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 0.02
-        packed, state = bnb.quantize_4bit(weight, blocksize=64, quant_type="nf4")
-        layout = Layout4bit(
-            absmax=state.absmax.float(), blocksize=64, quant_type="nf4", shape=[rows, cols], dtype=torch.bfloat16,
-            code=nf4.code_table(state.code),
-        )  # fmt: skip
+        weight = random_nf4((rows, cols), torch.device("cuda"))
+        layout, packed = weight.layout, weight.packed
         b = torch.randn(rows, rank, device="cuda", dtype=torch.bfloat16) * 0.02
         a = torch.randn(rank, cols, device="cuda", dtype=torch.bfloat16) * 0.02
         want = layout.dense(packed).addmm_(b, a)
