@@ -299,12 +299,14 @@ class StaticDecoder:
             graph = None
             if self.use_graphs:
                 masks = self._masks(state, key)
+                began = time.perf_counter()
                 try:
                     graph = self.graphs.capture(lambda: self._step(state, masks))
                 except RuntimeError:
                     self.release()
                     raise
                 self.phase_s["captures"] += 1
+                self.phase_s["capture"] += time.perf_counter() - began  # host seconds, part of "setup"
                 # One line per capture (~0.5 s each on the H200): a stream of shapes causing a capture storm shows.
                 log.info(
                     "decode: captured a graph for %d rows x %d tokens (%s; %d captured so far, %d kept)",
