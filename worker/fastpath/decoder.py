@@ -305,12 +305,16 @@ class StaticDecoder:
                 except RuntimeError:
                     self.release()
                     raise
+                took = time.perf_counter() - began
                 self.phase_s["captures"] += 1
-                self.phase_s["capture"] += time.perf_counter() - began  # host seconds, part of "setup"
-                # One line per capture (~0.5 s each on the H200): a stream of shapes causing a capture storm shows.
+                self.phase_s["capture"] += took  # host seconds, part of "setup"
+                # One line per capture, its host seconds and what it added to the graphs' pool: a stream of shapes
+                # causing a capture storm shows, and the plan's per-row decode estimate can be read against it.
                 log.info(
-                    "decode: captured a graph for %d rows x %d tokens (%s; %d captured so far, %d kept)",
+                    "decode: captured a graph for %d rows x %d tokens (%s; %d captured so far, %d kept) in %.3f s; "
+                    "the graphs' pool grew %d MiB",
                     key.rows, key.length, describe(key), self.graphs.captures, len(self.graphs.entries) + 1,
+                    took, self.graphs.last_pool_growth_bytes >> 20,
                 )  # fmt: skip
             entry = Entry(state=state, graph=graph)
             self.graphs.put(key, entry)

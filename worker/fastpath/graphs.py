@@ -192,6 +192,9 @@ class GraphCache:
         self.length_slack = 1.25 if use_graphs else 1.0
         self.idle_slots = IDLE_SLOTS if use_graphs else 0  # (see `IDLE_SLOTS`; without graphs nothing is saved)
         self.captures = 0  # graphs captured so far (a benchmark figure)
+        # What the last capture added to the graphs' shared pool (segments the allocator reserved while it
+        # captured): the decode temporaries the memory plan estimates per row, as one capture measured them.
+        self.last_pool_growth_bytes = 0
         # One side stream for every capture, as `torch.cuda.graph` keeps one: cuBLAS keeps a workspace per
         # (handle, stream) for the life of the process, so a stream per capture leaked one workspace each.
         self._stream: torch.cuda.Stream | None = None
@@ -278,6 +281,7 @@ class GraphCache:
             # the cache is emptied first -- as `torch.cuda.graph(...)` does, but without its garbage
             # collection (~0.6 s a capture in the nightly profile).
             torch.cuda.empty_cache()
+            reserved = torch.cuda.memory_reserved(self.device)
             with torch.cuda.stream(stream):
                 graph.capture_begin(self._pool)
                 try:
@@ -291,4 +295,5 @@ class GraphCache:
                 raise torch.OutOfMemoryError(f"out of memory while capturing a decode graph: {exc}") from exc
             raise
         self.captures += 1
+        self.last_pool_growth_bytes = torch.cuda.memory_reserved(self.device) - reserved
         return graph
