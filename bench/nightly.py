@@ -421,8 +421,7 @@ def _row(r: dict[str, Any], argv: list[str]) -> str:
             parts.append(
                 f"in the engine: prefill {ph['prefill']:.1f} s, decode {ph['decode']:.1f} s "
                 f"({ph['decode_steps']:.0f} steps), setup {ph['setup']:.1f} s (captures {ph.get('capture', 0):.2f} s), "
-                f"encode {ph.get('encode', 0):.1f} s, "
-                f"outputs {ph.get('outputs', 0):.1f} s"
+                f"encode {ph.get('encode', 0):.1f} s, outputs {ph.get('outputs', 0):.1f} s"
             )
     if "seed" in r:
         ratio = f": **{r['ratio_vs_seed']:.0f}x**" if "ratio_vs_seed" in r else ""
