@@ -284,6 +284,30 @@ def test_a_step_the_graphs_pool_already_holds_is_not_planned_again() -> None:
     assert graphs.max_rows > plain.max_rows
 
 
+def test_what_a_fresh_graphs_pool_held_past_its_rows_is_set_aside_before_a_capture() -> None:
+    """A capture measured into a fresh pool: the part of its growth past its rows' decode estimate (the step's
+    dequantised weights, workspaces: no row adds them) is set aside where a take will capture into a fresh pool,
+    and only that part -- the rows still pay their own estimate. The largest excess of several readings counts;
+    a reading within its rows' estimate sets nothing aside."""
+    shape = ModelShape.from_dict(QWEN_1_5B)
+    weights = shape.weight_bytes(quantized=True, double_quant=True)
+    common = dict(
+        budget_bytes=5 * GIB, resident_bytes=weights, input_tokens=200, new_tokens=32, prefill_chunk_tokens=4096,
+        cache_tokens=length_bucket(232), flash_prefill=True, choice_chunk_rows=32,
+    )  # fmt: skip
+    plain = plan_batch(shape, **common)
+    step = plain.decode_row_bytes
+    assert plan_batch(shape, pool_readings={288: 288 * step}, **common) == plain
+    assert plan_batch(shape, pool_readings={64: 10 * step}, **common) == plain
+    readings = {288: 288 * step + 100 * MIB, 64: 64 * step + 40 * MIB, 16: 8 * step}
+    planned = plan_batch(shape, pool_readings=readings, **common)
+    assert planned.free_bytes == plain.free_bytes - 100 * MIB
+    assert planned.bytes_per_row == plain.bytes_per_row and planned.decode_row_bytes == step
+    assert planned.max_rows < plain.max_rows
+    assert planned.take_bytes(planned.max_rows) <= planned.free_bytes
+    assert plain.take_bytes(plain.max_rows) > planned.free_bytes  # the old plan would not have fit beside it
+
+
 def test_a_take_with_logprob_rows_gets_no_credit_from_the_graphs_pool() -> None:
     """A graph's pool holds bf16 logits and one float32 chunk of rows. Sampled rows keep that (the slots draw on
     their own rows' float32 logits, a fixed cost), so a sampled take gets the same credit as a greedy one. A take

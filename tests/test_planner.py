@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -346,3 +347,56 @@ def test_a_chunk_grows_only_into_memory_no_cached_piece_holds(monkeypatch: pytes
     budget.pooled_bytes = 512 * MIB  # the refresh saw the graphs' pool: still counted with nothing else cached
     assert room() == within(free - 512 * MIB)
     assert MemoryBudget(torch.device("cpu"), None).prefill_chunk_room(shape, 0, dtype_bytes=2) is None
+
+
+def test_a_take_capturing_into_a_fresh_graphs_pool_sets_aside_what_the_pool_held_past_its_rows(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop keeps what a greedy capture into a fresh pool grew it by (a sampled or logprob graph's slots, and
+    a capture beside earlier graphs, say nothing of a fresh step's). The plan of a take that will capture into a
+    fresh pool sets aside the reading's part past its rows' estimate; a take beside a held pool does not (the
+    pool is in what is held). A fake allocator on the CPU, as CUDA measures it."""
+    from worker.fastpath.graphs import Ends, GraphKey
+
+    decoder = engine.decoders[engine.config.models["laya"].base]
+    memory = engine.memory
+    key = GraphKey(rows=64, length=128, adapters=("laya",), mixed=False, ends=Ends(end_id=1, pad_id=0, stops=(1,)))
+    monkeypatch.setattr(decoder, "pool_readings", {})
+
+    def capture(key: GraphKey, grew: int, *, fresh: bool = True) -> None:
+        decoder.graphs.pool_bytes = grew if fresh else grew + 1
+        decoder.graphs.last_pool_growth_bytes = grew
+        decoder._read_pool(key)
+
+    capture(key, 6 * MIB)
+    capture(replace(key, samplers=8), 90 * MIB)
+    capture(replace(key, logprob_slots=8), 90 * MIB)
+    capture(replace(key, rows=128), 90 * MIB, fresh=False)
+    assert decoder.pool_readings == {64: 6 * MIB}
+    capture(key, 4 * MIB)
+    assert decoder.pool_readings == {64: 6 * MIB}  # the most a fresh pool grew at those rows
+
+    def refresh() -> None:
+        memory.held_bytes = memory.resident_bytes
+
+    monkeypatch.setattr(memory, "refresh", refresh)
+    memory.total_bytes = memory.resident_bytes + RESERVE_BYTES + ROOM
+    try:
+        engine.refresh_memory()
+        base = engine.base_for("laya")
+        common = dict(input_tokens=32, new_tokens=8, sampled_rows=0, max_rows=engine.max_batch_rows, decoder=decoder)
+        monkeypatch.setattr(decoder, "pool_readings", {})
+        plain = memory.plan(base, **common)
+        step = plain.decode_row_bytes
+        assert step > 0
+        monkeypatch.setattr(decoder, "pool_readings", {64: 64 * step + 5 * MIB})
+        fresh = memory.plan(base, **common)
+        assert fresh.free_bytes == plain.free_bytes - 5 * MIB
+        assert fresh.max_rows < plain.max_rows
+        monkeypatch.setattr(type(decoder), "graph_rows", property(lambda self: 64))
+        beside = memory.plan(base, **common)
+        assert beside.free_bytes == plain.free_bytes  # the held pool is counted in what is held, not again
+        assert memory.plan(base, released=True, **common).free_bytes == plain.free_bytes - 5 * MIB
+    finally:
+        memory.total_bytes = None
+        memory.held_bytes = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -280,6 +281,12 @@ def prefill_chunk_tokens_within(shape: ModelShape, free_bytes: int, *, held_toke
     return low
 
 
+def graph_pool_fixed_bytes(readings: Mapping[int, int], decode_row_bytes: int) -> int:
+    """What a fresh decode graphs' pool holds beyond `decode_row_bytes` a row: the most any reading (rows ->
+    what a capture of that many rows grew a fresh pool by) exceeds its rows' estimate, or 0."""
+    return max([0, *(grew - rows * decode_row_bytes for rows, grew in readings.items())])
+
+
 def plan_batch(
     shape: ModelShape,
     *,
@@ -302,6 +309,7 @@ def plan_batch(
     logprob_rows: int = 0,
     scored_in_prefill: bool = False,
     one_adapter: bool = False,
+    pool_readings: Mapping[int, int] | None = None,
 ) -> BatchPlan:
     """The largest number of rows of `input_tokens + new_tokens` that fits in what the budget leaves.
 
@@ -337,7 +345,12 @@ def plan_batch(
     set-aside -- only the group's held states (prompts and choices, their masks and rotary tables) and each
     row's picked log-probabilities.
     `one_adapter`: every row runs on one adapter (or none): the prefill's set-aside holds one layer's weights,
-    not two (`prefill_chunk_bytes`)."""
+    not two (`prefill_chunk_bytes`).
+    `pool_readings`: where the static loop holds no graphs' pool yet (a take's capture makes one, beside the
+    prefill's set-aside: the graph is captured before the prompts run), rows -> what a capture of that many
+    rows into a fresh pool grew it by, as the loop measured it. The part past those rows' decode estimate --
+    what does not grow with the rows: the step's dequantised weights, library workspaces -- is set aside too
+    (`graph_pool_fixed_bytes`). A pool already held is part of `resident_bytes`."""
     free = budget_bytes - resident_bytes - reserve_bytes
     # Sampled rows draw in a fixed number of slots (not per row of the batch): a fixed cost, with the margin.
     free -= int(sampler_slots * shape.sampling_bytes_per_slot() * SAFETY_FACTOR)
@@ -395,6 +408,7 @@ def plan_batch(
             # A graph's pool holds bf16 logits and one float32 chunk, far less than such a step needs.
             graph_rows = 0
         decode_row = int(shape.decode_bytes_per_row(dtype_bytes, choice_chunk_rows=chunked) * SAFETY_FACTOR)
+        free -= graph_pool_fixed_bytes(pool_readings or {}, decode_row)
         plan = BatchPlan(
             max_rows=0,
             kv_bytes_per_token=kv,

@@ -214,6 +214,8 @@ class MemoryBudget:
         measured = decoder is not None and self.held_bytes is not None
         held_pool_bytes = decoder.pool.nbytes if measured else 0
         graph_rows = decoder.graph_rows if measured and not released else 0
+        # A take that captures into a fresh pool sets aside what the pool holds beyond its rows (measured).
+        readings = decoder.pool_readings if measured and not graph_rows else None
         resident = self.planned_resident_bytes - (held_pool_bytes if released else 0)
         pool_bytes = 0 if released else held_pool_bytes
         plan = plan_batch(
@@ -238,6 +240,7 @@ class MemoryBudget:
             logprob_rows=logprob_rows,
             scored_in_prefill=scoring and decoder is not None,
             one_adapter=one_adapter,
+            pool_readings=readings,
         )
         if released:
             plan = replace(plan, released=True)

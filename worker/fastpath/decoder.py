@@ -197,6 +197,10 @@ class StaticDecoder:
         s = self.stack
         self.pool = KVPool(len(s.layers), s.kv_heads, s.head_dim, s.dtype, device)
         self.graphs = GraphCache(device, self.use_graphs)
+        # Rows of a greedy graph captured into a fresh pool -> what the pool grew: a decode step's temporaries at
+        # that many rows as the allocator reserved them, read by the memory plan. Kept across `release`: it
+        # measures the model's step, not one pool (the warm-up's capture gives the first).
+        self.pool_readings: dict[int, int] = {}
         self.phase_s: Counter[str] = Counter()  # seconds per phase of `decode` (and steps), for benchmarks
         # Called when this thread is about to wait for the GPU for a while (a batch's prefill all queued, its
         # decode steps ahead): the worker's helper thread runs its Python then, not while this thread launches
@@ -226,6 +230,15 @@ class StaticDecoder:
         """The most rows of a captured graph (0 without graphs): the graphs' shared pool holds a decode step's
         temporaries for that many rows, which a smaller graph's capture reuses."""
         return max((key.rows for key, e in self.graphs.entries.items() if e.graph is not None), default=0)
+
+    def _read_pool(self, key: GraphKey) -> None:
+        """Keep what a capture into a fresh pool grew it by, for a greedy graph: sampler and logprob slots hold
+        memory the plan counts apart, and a capture beside earlier graphs grows the pool only past what they
+        left (the pool holds about the largest step's temporaries, not one set a graph)."""
+        growth = self.graphs.last_pool_growth_bytes
+        if key.sampled or key.logprob_slots or self.graphs.pool_bytes != growth:
+            return
+        self.pool_readings[key.rows] = max(self.pool_readings.get(key.rows, 0), growth)
 
     def _kv_views(self, rows: int, length: int) -> KV:
         """The pool's views for rows x length; growing the pool moves it, so every captured graph goes first."""
@@ -306,6 +319,7 @@ class StaticDecoder:
                     self.release()
                     raise
                 took = time.perf_counter() - began
+                self._read_pool(key)
                 self.phase_s["captures"] += 1
                 self.phase_s["capture"] += took  # host seconds, part of "setup"
                 # One line per capture, its host seconds and what it added to the graphs' pool: a stream of shapes
