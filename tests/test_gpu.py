@@ -396,9 +396,11 @@ def test_the_lora_folded_nf4_matmul_is_the_separate_one_within_bfloat16_rounding
 def test_the_merged_dequantise_candidate_is_dequantise_then_addmm_in_bfloat16() -> None:
     """`bench nf4merge`'s kernel on the GPU in bf16 (Triton's interpreter multiplies bf16 tiles wrongly, so the CPU
     test runs fp16 and fp32): a Qwen2.5-1.5B gate/up and down weight in NF4 with a rank-16 and a rank-24 LoRA merged,
-    against bitsandbytes' dequantise then `addmm_` -- within one bf16 rounding of the merged value and one of the
-    product B A (cuBLAS rounds the product before adding it: where W + B A cancels to near zero, 0.2% of the
-    elements came out ~3e-5 apart, far above the result's own rounding), at every tile `bench nf4merge` times."""
+    against bitsandbytes' dequantise then `addmm_` -- within 2^-6 of |W + B A| + |B A| (about two bf16 units in
+    the last place), at every tile `bench nf4merge` times. The two round differently (the reference rounds W to
+    bf16 before adding B A, and each result is rounded once more), so they may sit a unit apart: on the H100,
+    ~3% of the elements were more than 2^-8 of that sum apart, none more than 1.98 x 2^-8. A wrong weight, scale
+    or LoRA row is off by the value itself, far past the bound."""
     from bench import nf4merge
     from bench.kernels import random_nf4
 
@@ -409,11 +411,13 @@ def test_the_merged_dequantise_candidate_is_dequantise_then_addmm_in_bfloat16() 
         b = torch.randn(rows, rank, device="cuda", dtype=torch.bfloat16) * 0.02
         a = torch.randn(rank, cols, device="cuda", dtype=torch.bfloat16) * 0.02
         want = layout.dense(packed).addmm_(b, a)
-        bound = 2**-8 * (want.float().abs() + (b.float() @ a.float()).abs()) + 1e-6
+        bound = 2**-6 * (want.float().abs() + (b.float() @ a.float()).abs()) + 1e-6
         for tile in nf4merge.TILES:
             got = nf4merge.dense_merged(layout, packed, b, a, tile)
-            off = (got.float() - want.float()).abs() > bound
-            assert not off.any(), f"tile {tile}: {int(off.sum())} of {off.numel()} elements off by more than a rounding"
+            diff = (got.float() - want.float()).abs()
+            off = diff > bound
+            worst = float((diff / bound).max())
+            assert not off.any(), f"tile {tile}: {int(off.sum())} of {off.numel()} elements past it ({worst:.1f}x)"
 
 
 def test_the_pinned_ring_never_overwrites_bytes_a_queued_copy_has_not_read() -> None:
