@@ -1,5 +1,5 @@
 """`python -m bench {engine|nightly|fastpath|mixed|timeline|gaps|multigpu|kernels|variants|nf4fused|slices|nf4merge|
-prefill|shapes|submit|soak|recovery}`."""
+prefill|shapes|graphpool|submit|soak|recovery}`."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def main() -> None:
         "nf4merge": "bench.nf4merge",
         "prefill": "bench.prefill",
         "shapes": "bench.shapes",
+        "graphpool": "bench.graphpool",
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(f"usage: python -m bench {{{'|'.join(commands)}}} [--help]", file=sys.stderr)
