@@ -1,6 +1,6 @@
 """What a decode graph's capture adds to a fresh graphs' pool, against take rows and against the memory plan.
 
-    python -m bench graphpool --device cuda --memory-budget 6GiB --out $OUT/gp     # rows 16-320, ~90 s
+    python -m bench graphpool --device cuda --memory-budget 6GiB --out $OUT/gp     # rows 16-288, ~90 s
 
 The loop captures a take's decode graph before its prompts run, into a pool of its own that lives beside the
 prefill's transients; the memory plan counts a per-row estimate of a step's temporaries (`decode_row_bytes`) and,
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="bench graphpool", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--memory-budget", default="6GiB", help="the worker's budget (default 6GiB)")
-    parser.add_argument("--rows", default="16,64,128,176,256,288,320", help="comma-separated take rows")
+    parser.add_argument("--rows", default="16,64,128,176,256,288", help="comma-separated take rows (each one take)")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     if not args.device.startswith("cuda") or not torch.cuda.is_available():
