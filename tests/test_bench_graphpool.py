@@ -15,15 +15,15 @@ def test_it_needs_a_cuda_device(capsys: pytest.CaptureFixture[str]) -> None:
     assert "needs a CUDA device" in capsys.readouterr().err
 
 
-def test_each_reading_gives_the_fixed_part_the_plan_sets_aside() -> None:
-    """A reading past its rows' estimate sets aside the difference; one within it sets nothing aside."""
-    row = int(0.4 * MIB)
-    big = graphpool.PoolReading(rows=16, grew_bytes=76 * MIB, planned_row_bytes=row)
-    small = graphpool.PoolReading(rows=256, grew_bytes=100 * MIB, planned_row_bytes=row)
-    assert big.fixed_bytes == 76 * MIB - 16 * row
+def test_each_reading_gives_what_the_plans_own_terms_leave_uncovered() -> None:
+    """A reading past its rows' estimate and the choice chunk sets aside the difference; one within them, nothing."""
+    row, chunk = int(0.4 * MIB), 58 * MIB
+    big = graphpool.PoolReading(rows=16, grew_bytes=76 * MIB, planned_row_bytes=row, planned_chunk_bytes=chunk)
+    small = graphpool.PoolReading(rows=256, grew_bytes=160 * MIB, planned_row_bytes=row, planned_chunk_bytes=chunk)
+    assert big.fixed_bytes == 76 * MIB - 16 * row - chunk
     assert small.fixed_bytes == 0
     text = graphpool.summary([big, small])
     assert text == (
-        "16 rows: grew 76 MiB, planned 6 MiB per row + 70 MiB fixed; "
-        "256 rows: grew 100 MiB, planned 102 MiB per row + 0 MiB fixed"
+        "16 rows: grew 76 MiB, planned 6 MiB for the rows + 58 MiB choice chunk, 12 MiB uncovered; "
+        "256 rows: grew 160 MiB, planned 102 MiB for the rows + 58 MiB choice chunk, 0 MiB uncovered"
     )

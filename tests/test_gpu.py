@@ -142,6 +142,32 @@ def test_captures_do_not_leave_memory_behind_once_their_graphs_are_gone(tiny_mod
     assert last <= first + 2 * 1024**2, (first, last)
 
 
+def test_the_plan_reads_a_capture_into_a_fresh_pool_and_not_one_beside_it(tiny_models: Path) -> None:
+    """The pool's bookkeeping the memory plan reads (`StaticDecoder.pool_readings`): the first capture into a
+    fresh pool is kept at its rows, with what it grew the pool by; a capture beside it into the same pool is not
+    (it grows the pool only past what the first left); a release starts a fresh pool and keeps the readings."""
+    engine = Engine(tiny_config(tiny_models, "none", kev_new=8), device="cuda")
+    decoder = engine.decoders["default"]
+    base = engine.base_for("kev")
+    select = lambda names: select_adapters(base, names)  # noqa: E731
+
+    def decode(rows: int) -> None:
+        batch = [DecodeRow(ids=[5 + i % 9, 6, 7], max_new=4, adapter=base.adapters["kev"]) for i in range(rows)]
+        decoder.decode(batch, stop_ids=[-1], pad_id=0, select=select)
+
+    decoder.release()
+    decoder.pool_readings.clear()
+    decode(12)
+    graphs = decoder.graphs
+    assert graphs.pool_captures == 1 and graphs.pool_bytes == graphs.last_pool_growth_bytes > 0
+    assert decoder.pool_readings == {decoder.graph_rows: graphs.pool_bytes}
+    first = dict(decoder.pool_readings)
+    decode(3)  # a graph of its own, captured into the same pool
+    assert graphs.pool_captures == 2 and decoder.pool_readings == first
+    decoder.release()
+    assert graphs.pool_captures == 0 and graphs.pool_bytes == 0 and decoder.pool_readings == first
+
+
 BF16_PROMPTS = ["Approve a loan of 12000?", "Income 52000, debt low.", "x", "Step 1: check income " * 5]
 
 

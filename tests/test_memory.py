@@ -9,7 +9,7 @@ import pytest
 from shared.errors import ConfigError
 from worker.fastpath import length_bucket
 from worker.fastpath.prefill import GROUP_TOKENS
-from worker.memory import GIB, MIB, RESERVE_BYTES, ModelShape, parse_bytes, plan_batch
+from worker.memory import GIB, MIB, RESERVE_BYTES, SAFETY_FACTOR, ModelShape, parse_bytes, plan_batch
 
 KIB = 1024
 
@@ -284,11 +284,12 @@ def test_a_step_the_graphs_pool_already_holds_is_not_planned_again() -> None:
     assert graphs.max_rows > plain.max_rows
 
 
-def test_what_a_fresh_graphs_pool_held_past_its_rows_is_set_aside_before_a_capture() -> None:
-    """A capture measured into a fresh pool: the part of its growth past its rows' decode estimate (the step's
-    dequantised weights, workspaces: no row adds them) is set aside where a take will capture into a fresh pool,
-    and only that part -- the rows still pay their own estimate. The largest excess of several readings counts;
-    a reading within its rows' estimate sets nothing aside."""
+def test_what_a_fresh_graphs_pool_held_past_the_plans_own_terms_is_set_aside_before_a_capture() -> None:
+    """A capture measured into a fresh pool: the part of its growth that the plan's own terms for a greedy step
+    (its rows' decode estimate, the float32 choice chunk) do not cover is set aside where a take will capture
+    into a fresh pool, and only that part -- the rows still pay their own estimate. The largest excess of
+    several readings counts; a reading within those terms sets nothing aside, and neither does any reading for
+    a take with logprob rows (its per-row figure is already a margin several times a greedy step's)."""
     shape = ModelShape.from_dict(QWEN_1_5B)
     weights = shape.weight_bytes(quantized=True, double_quant=True)
     common = dict(
@@ -296,16 +297,18 @@ def test_what_a_fresh_graphs_pool_held_past_its_rows_is_set_aside_before_a_captu
         cache_tokens=length_bucket(232), flash_prefill=True, choice_chunk_rows=32,
     )  # fmt: skip
     plain = plan_batch(shape, **common)
-    step = plain.decode_row_bytes
-    assert plan_batch(shape, pool_readings={288: 288 * step}, **common) == plain
+    step, chunk = plain.decode_row_bytes, int(shape.choice_chunk_bytes(32) * SAFETY_FACTOR)
+    assert plan_batch(shape, pool_readings={288: 288 * step + chunk}, **common) == plain
     assert plan_batch(shape, pool_readings={64: 10 * step}, **common) == plain
-    readings = {288: 288 * step + 100 * MIB, 64: 64 * step + 40 * MIB, 16: 8 * step}
+    readings = {288: 288 * step + chunk + 100 * MIB, 64: 64 * step + chunk + 40 * MIB, 16: 8 * step}
     planned = plan_batch(shape, pool_readings=readings, **common)
     assert planned.free_bytes == plain.free_bytes - 100 * MIB
     assert planned.bytes_per_row == plain.bytes_per_row and planned.decode_row_bytes == step
     assert planned.max_rows < plain.max_rows
     assert planned.take_bytes(planned.max_rows) <= planned.free_bytes
     assert plain.take_bytes(plain.max_rows) > planned.free_bytes  # the old plan would not have fit beside it
+    reporting = plan_batch(shape, logprob_rows=3, **common)
+    assert plan_batch(shape, logprob_rows=3, pool_readings=readings, **common) == reporting
 
 
 def test_a_take_with_logprob_rows_gets_no_credit_from_the_graphs_pool() -> None:

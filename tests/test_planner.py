@@ -12,7 +12,8 @@ import torch
 from shared.job import Job
 from tests.conftest import tiny_config
 from worker.engine import Engine
-from worker.memory import MIB, RESERVE_BYTES
+from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
+from worker.memory import MIB, RESERVE_BYTES, SAFETY_FACTOR
 
 # Spare bytes that leave the tiny model rows beside the prefill's chunk and its held hidden states (what the rows'
 # prompts pad to, up to a group: 32,768 tokens x 528 bytes in float32, ~17 MiB), and few enough that the plan is
@@ -354,8 +355,9 @@ def test_a_take_capturing_into_a_fresh_graphs_pool_sets_aside_what_the_pool_held
 ) -> None:
     """The loop keeps what a greedy capture into a fresh pool grew it by (a sampled or logprob graph's slots, and
     a capture beside earlier graphs, say nothing of a fresh step's). The plan of a take that will capture into a
-    fresh pool sets aside the reading's part past its rows' estimate; a take beside a held pool does not (the
-    pool is in what is held). A fake allocator on the CPU, as CUDA measures it."""
+    fresh pool sets aside the reading's part past the plan's own terms for a step (its rows' estimate, the
+    float32 choice chunk); a take beside a held pool does not (the pool is in what is held). A fake allocator
+    on the CPU, as CUDA measures it."""
     from worker.fastpath.graphs import Ends, GraphKey
 
     decoder = engine.decoders[engine.config.models["laya"].base]
@@ -364,8 +366,8 @@ def test_a_take_capturing_into_a_fresh_graphs_pool_sets_aside_what_the_pool_held
     monkeypatch.setattr(decoder, "pool_readings", {})
 
     def capture(key: GraphKey, grew: int, *, fresh: bool = True) -> None:
-        decoder.graphs.pool_bytes = grew if fresh else grew + 1
-        decoder.graphs.last_pool_growth_bytes = grew
+        monkeypatch.setattr(decoder.graphs, "pool_captures", 1 if fresh else 2)
+        monkeypatch.setattr(decoder.graphs, "last_pool_growth_bytes", grew)
         decoder._read_pool(key)
 
     capture(key, 6 * MIB)
@@ -374,7 +376,7 @@ def test_a_take_capturing_into_a_fresh_graphs_pool_sets_aside_what_the_pool_held
     capture(replace(key, rows=128), 90 * MIB, fresh=False)
     assert decoder.pool_readings == {64: 6 * MIB}
     capture(key, 4 * MIB)
-    assert decoder.pool_readings == {64: 6 * MIB}  # the most a fresh pool grew at those rows
+    assert decoder.pool_readings == {64: 4 * MIB}  # the latest capture into a fresh pool at those rows
 
     def refresh() -> None:
         memory.held_bytes = memory.resident_bytes
@@ -389,7 +391,8 @@ def test_a_take_capturing_into_a_fresh_graphs_pool_sets_aside_what_the_pool_held
         plain = memory.plan(base, **common)
         step = plain.decode_row_bytes
         assert step > 0
-        monkeypatch.setattr(decoder, "pool_readings", {64: 64 * step + 5 * MIB})
+        chunk = int(base.shape.choice_chunk_bytes(CHOICE_CHUNK_ROWS) * SAFETY_FACTOR)  # the greedy step's, planned
+        monkeypatch.setattr(decoder, "pool_readings", {64: 64 * step + chunk + 5 * MIB})
         fresh = memory.plan(base, **common)
         assert fresh.free_bytes == plain.free_bytes - 5 * MIB
         assert fresh.max_rows < plain.max_rows

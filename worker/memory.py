@@ -281,10 +281,12 @@ def prefill_chunk_tokens_within(shape: ModelShape, free_bytes: int, *, held_toke
     return low
 
 
-def graph_pool_fixed_bytes(readings: Mapping[int, int], decode_row_bytes: int) -> int:
-    """What a fresh decode graphs' pool holds beyond `decode_row_bytes` a row: the most any reading (rows ->
-    what a capture of that many rows grew a fresh pool by) exceeds its rows' estimate, or 0."""
-    return max([0, *(grew - rows * decode_row_bytes for rows, grew in readings.items())])
+def graph_pool_fixed_bytes(readings: Mapping[int, int], decode_row_bytes: int, planned_bytes: int = 0) -> int:
+    """What a fresh decode graphs' pool holds beyond what a plan counts for it -- `decode_row_bytes` a row and
+    `planned_bytes` in all: the most any reading (rows -> what a capture of that many rows grew a fresh pool by)
+    exceeds that for its rows, or 0."""
+    excess = (grew - rows * decode_row_bytes - planned_bytes for rows, grew in readings.items())
+    return max(0, max(excess, default=0))
 
 
 def plan_batch(
@@ -348,9 +350,10 @@ def plan_batch(
     not two (`prefill_chunk_bytes`).
     `pool_readings`: where the static loop holds no graphs' pool yet (a take's capture makes one, beside the
     prefill's set-aside: the graph is captured before the prompts run), rows -> what a capture of that many
-    rows into a fresh pool grew it by, as the loop measured it. The part past those rows' decode estimate --
-    what does not grow with the rows: the step's dequantised weights, library workspaces -- is set aside too
-    (`graph_pool_fixed_bytes`). A pool already held is part of `resident_bytes`."""
+    rows into a fresh pool grew it by, as the loop measured it. Whatever of that the plan's own terms for a
+    step (its rows' decode estimate, the float32 choice chunk) do not cover is set aside too
+    (`graph_pool_fixed_bytes`; on an H100, Qwen2.5-1.5B shape: ~11 MiB at 16 rows, ~2 MiB at 320, nothing between).
+    A pool already held is part of `resident_bytes`."""
     free = budget_bytes - resident_bytes - reserve_bytes
     # Sampled rows draw in a fixed number of slots (not per row of the batch): a fixed cost, with the margin.
     free -= int(sampler_slots * shape.sampling_bytes_per_slot() * SAFETY_FACTOR)
@@ -399,8 +402,9 @@ def plan_batch(
         kv_row = cache * kv
         exact = kv_row + cache * STATE_BYTES_PER_CACHE_TOKEN + int(shape.vocab * dtype_bytes * graph_row_slack)
         chunked = choice_chunk_rows if choice_chunk_rows and not logprob_rows else None
+        chunk = int(shape.choice_chunk_bytes(chunked) * SAFETY_FACTOR) if chunked else 0
         if chunked:
-            free -= int(shape.choice_chunk_bytes(chunked) * SAFETY_FACTOR)
+            free -= chunk
         else:
             # The first token is chosen outside the graph, over every row's logits at once in float32 (a copy,
             # its log-softmax, finiteness flags), beside the graph's own temporaries.
@@ -408,7 +412,10 @@ def plan_batch(
             # A graph's pool holds bf16 logits and one float32 chunk, far less than such a step needs.
             graph_rows = 0
         decode_row = int(shape.decode_bytes_per_row(dtype_bytes, choice_chunk_rows=chunked) * SAFETY_FACTOR)
-        free -= graph_pool_fixed_bytes(pool_readings or {}, decode_row)
+        if chunked:
+            # The readings are of greedy steps, whose float32 chunk is the one set aside above. A take with
+            # logprob rows plans ~6x their per-row figure already (a margin, see above): no more on top.
+            free -= graph_pool_fixed_bytes(pool_readings or {}, decode_row, chunk)
         plan = BatchPlan(
             max_rows=0,
             kv_bytes_per_token=kv,

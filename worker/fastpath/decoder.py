@@ -197,9 +197,9 @@ class StaticDecoder:
         s = self.stack
         self.pool = KVPool(len(s.layers), s.kv_heads, s.head_dim, s.dtype, device)
         self.graphs = GraphCache(device, self.use_graphs)
-        # Rows of a greedy graph captured into a fresh pool -> what the pool grew: a decode step's temporaries at
-        # that many rows as the allocator reserved them, read by the memory plan. Kept across `release`: it
-        # measures the model's step, not one pool (the warm-up's capture gives the first).
+        # Rows of a greedy graph captured into a fresh pool -> what the pool grew (the latest such capture): a
+        # decode step's temporaries at that many rows as the allocator reserved them, read by the memory plan.
+        # Kept across `release`: it measures the model's step, not one pool (the warm-up's capture gives the first).
         self.pool_readings: dict[int, int] = {}
         self.phase_s: Counter[str] = Counter()  # seconds per phase of `decode` (and steps), for benchmarks
         # Called when this thread is about to wait for the GPU for a while (a batch's prefill all queued, its
@@ -235,10 +235,9 @@ class StaticDecoder:
         """Keep what a capture into a fresh pool grew it by, for a greedy graph: sampler and logprob slots hold
         memory the plan counts apart, and a capture beside earlier graphs grows the pool only past what they
         left (the pool holds about the largest step's temporaries, not one set a graph)."""
-        growth = self.graphs.last_pool_growth_bytes
-        if key.sampled or key.logprob_slots or self.graphs.pool_bytes != growth:
+        if key.sampled or key.logprob_slots or self.graphs.pool_captures != 1:
             return
-        self.pool_readings[key.rows] = max(self.pool_readings.get(key.rows, 0), growth)
+        self.pool_readings[key.rows] = self.graphs.last_pool_growth_bytes
 
     def _kv_views(self, rows: int, length: int) -> KV:
         """The pool's views for rows x length; growing the pool moves it, so every captured graph goes first."""
