@@ -214,7 +214,7 @@ class MemoryBudget:
         measured = decoder is not None and self.held_bytes is not None
         held_pool_bytes = decoder.pool.nbytes if measured else 0
         graph_rows = decoder.graph_rows if measured and not released else 0
-        # A take that captures into a fresh pool sets aside what the pool holds beyond its rows (measured).
+        # A take that captures into a fresh pool sets aside what such a pool held past the plan's step terms.
         readings = decoder.pool_readings if measured and not graph_rows else None
         resident = self.planned_resident_bytes - (held_pool_bytes if released else 0)
         pool_bytes = 0 if released else held_pool_bytes
