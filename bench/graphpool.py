@@ -28,7 +28,7 @@ from bench.nightly import workload
 from worker.config import load_config
 from worker.engine import Engine
 from worker.fastpath.sampling import CHOICE_CHUNK_ROWS
-from worker.memory import MIB, SAFETY_FACTOR, graph_pool_fixed_bytes, parse_bytes
+from worker.memory import MIB, choice_chunk_set_aside_bytes, graph_pool_fixed_bytes, parse_bytes
 
 NEW_TOKENS = 8  # enough for a replay after the capture; the pool does not grow with the steps
 
@@ -58,7 +58,7 @@ def summary(readings: list[PoolReading]) -> str:
 def measure(engine: Engine, rows: list[int], input_tokens: int) -> list[PoolReading]:
     decoder = engine.decoders[engine.config.models["laya"].base]
     base = engine.base_for("laya")
-    chunk = int(base.shape.choice_chunk_bytes(CHOICE_CHUNK_ROWS) * SAFETY_FACTOR)
+    chunk = choice_chunk_set_aside_bytes(base.shape, CHOICE_CHUNK_ROWS)
     specs = workload(max(rows), 0.0, tokenizer=base.tokenizer, seed=3)
     readings = []
     for n in rows:

@@ -159,13 +159,13 @@ def test_the_plan_reads_a_capture_into_a_fresh_pool_and_not_one_beside_it(tiny_m
     decoder.pool_readings.clear()
     decode(12)
     graphs = decoder.graphs
-    assert graphs.pool_captures == 1 and graphs.pool_bytes == graphs.last_pool_growth_bytes > 0
-    assert decoder.pool_readings == {decoder.graph_rows: graphs.pool_bytes}
+    assert graphs.pool_captures == 1 and graphs.last_pool_growth_bytes > 0
+    assert decoder.pool_readings == {decoder.graph_rows: graphs.last_pool_growth_bytes}
     first = dict(decoder.pool_readings)
     decode(3)  # a graph of its own, captured into the same pool
     assert graphs.pool_captures == 2 and decoder.pool_readings == first
     decoder.release()
-    assert graphs.pool_captures == 0 and graphs.pool_bytes == 0 and decoder.pool_readings == first
+    assert graphs.pool_captures == 0 and decoder.pool_readings == first
 
 
 BF16_PROMPTS = ["Approve a loan of 12000?", "Income 52000, debt low.", "x", "Step 1: check income " * 5]

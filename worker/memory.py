@@ -281,6 +281,11 @@ def prefill_chunk_tokens_within(shape: ModelShape, free_bytes: int, *, held_toke
     return low
 
 
+def choice_chunk_set_aside_bytes(shape: ModelShape, choice_chunk_rows: int) -> int:
+    """What a plan sets aside for the token choice's float32 chunk of `choice_chunk_rows` rows (with the margin)."""
+    return int(shape.choice_chunk_bytes(choice_chunk_rows) * SAFETY_FACTOR)
+
+
 def graph_pool_fixed_bytes(readings: Mapping[int, int], decode_row_bytes: int, planned_bytes: int = 0) -> int:
     """What a fresh decode graphs' pool holds beyond what a plan counts for it -- `decode_row_bytes` a row and
     `planned_bytes` in all: the most any reading (rows -> what a capture of that many rows grew a fresh pool by)
@@ -402,20 +407,18 @@ def plan_batch(
         kv_row = cache * kv
         exact = kv_row + cache * STATE_BYTES_PER_CACHE_TOKEN + int(shape.vocab * dtype_bytes * graph_row_slack)
         chunked = choice_chunk_rows if choice_chunk_rows and not logprob_rows else None
-        chunk = int(shape.choice_chunk_bytes(chunked) * SAFETY_FACTOR) if chunked else 0
+        decode_row = int(shape.decode_bytes_per_row(dtype_bytes, choice_chunk_rows=chunked) * SAFETY_FACTOR)
         if chunked:
-            free -= chunk
+            chunk = choice_chunk_set_aside_bytes(shape, chunked)
+            # The readings are of greedy steps, whose float32 chunk is this one. A take with logprob rows plans
+            # ~6x their per-row figure already (a margin, see `logprob_rows` above): no more on top.
+            free -= chunk + graph_pool_fixed_bytes(pool_readings or {}, decode_row, chunk)
         else:
             # The first token is chosen outside the graph, over every row's logits at once in float32 (a copy,
             # its log-softmax, finiteness flags), beside the graph's own temporaries.
             exact += shape.vocab * FIRST_CHOICE_BYTES_PER_VOCAB
             # A graph's pool holds bf16 logits and one float32 chunk, far less than such a step needs.
             graph_rows = 0
-        decode_row = int(shape.decode_bytes_per_row(dtype_bytes, choice_chunk_rows=chunked) * SAFETY_FACTOR)
-        if chunked:
-            # The readings are of greedy steps, whose float32 chunk is the one set aside above. A take with
-            # logprob rows plans ~6x their per-row figure already (a margin, see above): no more on top.
-            free -= graph_pool_fixed_bytes(pool_readings or {}, decode_row, chunk)
         plan = BatchPlan(
             max_rows=0,
             kv_bytes_per_token=kv,

@@ -195,9 +195,7 @@ class GraphCache:
         # What the last capture added to the graphs' shared pool (segments the allocator reserved while it
         # captured): the decode temporaries the memory plan estimates per row, as one capture measured them.
         self.last_pool_growth_bytes = 0
-        # What the shared pool has reserved since it was made (the captures' growths summed), and how many
-        # captures went into it: the first capture into a pool measures a step on its own.
-        self.pool_bytes = 0
+        # Captures into the shared pool since it was made: the first one measures a step on its own.
         self.pool_captures = 0
         # One side stream for every capture, as `torch.cuda.graph` keeps one: cuBLAS keeps a workspace per
         # (handle, stream) for the life of the process, so a stream per capture leaked one workspace each.
@@ -264,7 +262,7 @@ class GraphCache:
             # A graph memory pool whose graphs are all gone cannot take a new capture (the allocator asserts
             # on it), so later captures share a fresh one.
             self._pool = torch.cuda.graph_pool_handle()
-            self.pool_bytes = self.pool_captures = 0
+            self.pool_captures = 0
 
     def capture(self, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """`step` (which touches only its state's tensors) captured as a CUDA graph. Out of memory while
@@ -301,6 +299,5 @@ class GraphCache:
             raise
         self.captures += 1
         self.last_pool_growth_bytes = torch.cuda.memory_reserved(self.device) - reserved
-        self.pool_bytes += self.last_pool_growth_bytes
         self.pool_captures += 1
         return graph
